@@ -1,0 +1,25 @@
+"""pagedllm: LLM inference over a block-paged KV cache with continuous batching.
+
+Public API (imported lazily so ``import pagedllm`` stays cheap): ``LLM``, ``SamplingParams``,
+``RequestOutput``, ``CompletionOutput``, and the errors in ``pagedllm.errors``.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+
+_LAZY = {
+    "LLM": "pagedllm.llm",
+    "SamplingParams": "pagedllm.engine.sampling_params",
+    "RequestOutput": "pagedllm.engine.outputs",
+    "CompletionOutput": "pagedllm.engine.outputs",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'pagedllm' has no attribute {name!r}")

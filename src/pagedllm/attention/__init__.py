@@ -1,0 +1,1 @@
+"""Paged attention: metadata, backends (the pure-torch reference first)."""

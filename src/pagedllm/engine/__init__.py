@@ -1,0 +1,1 @@
+"""Request lifecycle: parameters, scheduling, model execution, sampling and outputs."""

@@ -1,0 +1,225 @@
+"""Engine: the request loop. ``add_request`` -> ``step()`` (schedule, run, update) -> outputs.
+
+Owns the scheduler (and through it the KV cache manager), the model runner, the tokenizer and
+each live request's output state (detokenizer, stop strings). Validates a request completely
+before it enters the queue, so a bad request never disturbs the others.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from pagedllm.attention.backends import get_backend
+from pagedllm.config import CacheConfig, EngineConfig, SchedulerConfig
+from pagedllm.engine.model_runner import ModelRunner
+from pagedllm.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pagedllm.engine.request import Request, RequestStatus
+from pagedllm.engine.sampling_params import SamplingParams
+from pagedllm.engine.scheduler import Scheduler
+from pagedllm.errors import InvalidRequest, RequestTooLong
+from pagedllm.kvcache.manager import KVCacheManager
+from pagedllm.kvstore.storage import KVCacheStorage, num_blocks_for
+from pagedllm.models.llama import LlamaForCausalLM
+from pagedllm.models.loader import load_weights, resolve_dtype, resolve_model_path
+from pagedllm.models.tokenizer import IncrementalDetokenizer, Tokenizer
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class _OutputState:
+    """Per-request output bookkeeping: the prompt text and the detokenized completion."""
+
+    request: Request
+    prompt: str | None
+    detok: IncrementalDetokenizer | None
+    text: str = ""
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    max_stop_len: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.max_stop_len = max((len(s) for s in self.request.sampling_params.stop_strings), default=0)
+
+
+class Engine:
+    """Continuous-batching inference engine over a paged KV cache."""
+
+    def __init__(self, config: EngineConfig, model: LlamaForCausalLM, tokenizer: Tokenizer | None,
+                 attention_backend: str = "auto") -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        dtype = _DTYPES[config.dtype]
+        num_blocks = num_blocks_for(config.model, config.cache, dtype)
+        self.kv_manager = KVCacheManager(num_blocks, config.cache.block_size)
+        self.scheduler = Scheduler(config.scheduler, self.kv_manager)
+        storage = KVCacheStorage.allocate(config.model, num_blocks, config.cache.block_size, dtype, config.device)
+        backend = get_backend(attention_backend, config.device, config.model.head_dim)
+        self.runner = ModelRunner(model, storage, backend, torch.device(config.device))
+        eos = set(config.model.eos_token_ids)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            eos.add(tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(eos)
+        self._states: dict[str, _OutputState] = {}
+        self._counter = itertools.count()
+        self._seed_rng = torch.Generator().manual_seed(config.seed)
+
+    # -- construction ------------------------------------------------------------------------
+    @classmethod
+    def from_options(cls, model: str | None = None, dtype: str = "auto", block_size: int = 16,
+                     kv_cache_memory: int | str = "512MiB", num_kv_blocks: int | None = None,
+                     max_num_seqs: int = 64, max_num_batched_tokens: int = 1024,
+                     max_model_len: int | None = None, seed: int = 0, device: str = "cpu",
+                     attention_backend: str = "auto") -> Engine:
+        cache = CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory, num_kv_blocks=num_kv_blocks)
+        if dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
+        t0 = time.perf_counter()
+        path = resolve_model_path(model)
+        weights = load_weights(path)
+        mcfg = weights.config
+        if max_model_len is None:
+            max_model_len = mcfg.max_position_embeddings
+        elif max_model_len > mcfg.max_position_embeddings:
+            raise ValueError(f"max_model_len={max_model_len} exceeds the model's context length "
+                             f"({mcfg.max_position_embeddings})")
+        sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                max_model_len=max_model_len)
+        config = EngineConfig(model=mcfg, cache=cache, scheduler=sched, dtype=resolve_dtype(dtype, device),
+                              device=device, seed=seed)
+        with torch.device("meta"):
+            net = LlamaForCausalLM(mcfg, _DTYPES[config.dtype], max_model_len, device=device)
+        net.load_hf_state_dict(weights.state_dict)
+        net.eval()
+        del weights
+        tokenizer = Tokenizer.load(path, path.suffix == ".gguf")
+        engine = cls(config, net, tokenizer, attention_backend)
+        engine.load_seconds = time.perf_counter() - t0
+        engine.model_path = path
+        return engine
+
+    # -- requests -------------------------------------------------------------------------------
+    def tokenize_prompt(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
+        """Normalise a prompt (text, token ids, or a {'prompt'|'prompt_token_ids'} dict)."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                prompt = list(prompt["prompt_token_ids"])
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise InvalidRequest("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequest("this model has no tokenizer: pass token ids as the prompt")
+            ids = self.tokenizer.encode(prompt)
+            text: str | None = prompt
+        elif isinstance(prompt, list | tuple):
+            ids = list(prompt)
+            text = None
+        else:
+            raise InvalidRequest(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        if not ids:
+            raise InvalidRequest("the prompt is empty: it must have at least one token")
+        vocab = self.config.model.vocab_size
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
+            raise InvalidRequest(f"prompt token ids must be integers in [0, {vocab})")
+        return text, ids
+
+    def add_request(self, request_id: str, prompt: str | list[int] | dict,
+                    params: SamplingParams | None = None) -> Request:
+        """Validate and queue a request. Raises InvalidRequest/RequestTooLong without side effects."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequest(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        if params.n != 1:
+            raise InvalidRequest("n > 1 (parallel sampling) is not supported yet; submit the prompt n times")
+        if request_id in self._states:
+            raise InvalidRequest(f"request id {request_id!r} is already in use")
+        text, ids = self.tokenize_prompt(prompt)
+        limit = self.config.scheduler.max_model_len
+        max_tokens = params.max_tokens if params.max_tokens is not None else limit - len(ids)
+        if len(ids) + max_tokens > limit:
+            raise RequestTooLong(
+                f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) = {len(ids) + max_tokens} tokens "
+                f"exceeds max_model_len ({limit})")
+        need = self.kv_manager.blocks_for_tokens(len(ids) + max_tokens)
+        if need > self.kv_manager.num_blocks:
+            raise RequestTooLong(
+                f"prompt + max_tokens = {len(ids) + max_tokens} tokens needs {need} KV blocks of "
+                f"{self.kv_manager.block_size}, more than the whole pool (num_kv_blocks={self.kv_manager.num_blocks})")
+        seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_rng))
+        req = Request(request_id, ids, params, max_tokens=max_tokens, eos_token_ids=self.eos_token_ids,
+                      sampling_seed=seed)
+        detok = None if self.tokenizer is None else IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
+        self._states[request_id] = _OutputState(req, text, detok)
+        self.scheduler.add(req)
+        return req
+
+    def new_request_id(self) -> str:
+        return str(next(self._counter))
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request wherever it is; its blocks are freed. False if unknown or finished."""
+        state = self._states.pop(request_id, None)
+        if state is None:
+            return False
+        self.scheduler.finish(request_id, RequestStatus.FINISHED_ABORTED)
+        self.runner.release(request_id)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- one iteration ------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, and return outputs of requests that progressed."""
+        sched_out = self.scheduler.schedule()
+        if sched_out.is_empty:
+            return []
+        sampled = self.runner.execute(sched_out, self.scheduler.requests)
+        progressed = self.scheduler.update(sched_out, sampled)
+        return [self._process(req) for req in progressed]
+
+    def _process(self, req: Request) -> RequestOutput:
+        state = self._states[req.request_id]
+        token = req.output_token_ids[-1]
+        if state.detok is not None:
+            delta = state.detok.add(token)
+            state.text += delta
+            if delta and state.max_stop_len and not req.status.finished:
+                self._check_stop_strings(state, len(delta))
+        if req.status.finished and state.finish_reason is None:
+            state.finish_reason = req.status.value
+            if req.status is RequestStatus.FINISHED_STOPPED:
+                state.stop_reason = None if token in self.eos_token_ids else token
+        finished = state.finish_reason is not None
+        if finished:
+            self._states.pop(req.request_id, None)
+            self.runner.release(req.request_id)
+        completion = CompletionOutput(0, state.text, list(req.output_token_ids), state.finish_reason,
+                                      state.stop_reason)
+        metrics = RequestMetrics(req.arrival_time, req.first_token_time,
+                                 time.monotonic() if finished else None, req.num_preemptions)
+        return RequestOutput(req.request_id, state.prompt, req.prompt_token_ids, [completion], finished, metrics)
+
+    def _check_stop_strings(self, state: _OutputState, delta_len: int) -> None:
+        params = state.request.sampling_params
+        start = max(0, len(state.text) - delta_len - state.max_stop_len + 1)
+        hits = [(idx, s) for s in params.stop_strings if (idx := state.text.find(s, start)) >= 0]
+        if not hits:
+            return
+        idx, stop = min(hits)
+        state.text = state.text[: idx + len(stop)] if params.include_stop_str_in_output else state.text[:idx]
+        state.finish_reason, state.stop_reason = "stop", stop
+        self.scheduler.finish(state.request.request_id, RequestStatus.FINISHED_STOPPED)
+
+    # -- introspection --------------------------------------------------------------------------
+    def kv_cache_stats(self) -> dict[str, float | int]:
+        return self.kv_manager.stats()

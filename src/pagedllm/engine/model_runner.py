@@ -1,0 +1,88 @@
+"""ModelRunner: turns a ``SchedulerOutput`` into tensors, runs the model, samples.
+
+Owns the model, the KV tensors (``KVCacheStorage``), the attention backend, the sampler and each
+request's random generator. Sees block ids and token ids, never scheduling policy.
+Per step it builds one ``AttentionMetadata`` (shared by every layer), lays the batch out flat
+with decode sequences first, and computes logits only for rows that sample.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.engine.request import Request
+from pagedllm.engine.sampler import Sampler
+from pagedllm.engine.scheduler import ScheduledChunk, SchedulerOutput
+from pagedllm.kvstore.storage import KVCacheStorage
+from pagedllm.models.llama import LlamaForCausalLM
+
+
+def build_metadata(chunks: list[ScheduledChunk], block_size: int, device: torch.device):
+    """Flat inputs and attention metadata for chunks already ordered decode-first."""
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    qsl = [0]
+    seq_lens = []
+    num_decodes = 0
+    for c in chunks:
+        if c.num_tokens == 1 and num_decodes == len(seq_lens):
+            num_decodes += 1
+        input_ids.extend(c.token_ids)
+        start, end = c.start_pos, c.seq_len
+        positions.extend(range(start, end))
+        ids = c.block_ids
+        slots.extend(ids[p // block_size] * block_size + p % block_size for p in range(start, end))
+        qsl.append(len(input_ids))
+        seq_lens.append(end)
+    max_blocks = max(len(c.block_ids) for c in chunks)
+    tables = [c.block_ids + [0] * (max_blocks - len(c.block_ids)) for c in chunks]
+
+    def t(x):
+        return torch.tensor(x, dtype=torch.long, device=device)
+
+    meta = AttentionMetadata(
+        slot_mapping=t(slots), query_start_loc=t(qsl), seq_lens=t(seq_lens), block_tables=t(tables),
+        num_decodes=num_decodes, query_start_loc_list=qsl, seq_lens_list=seq_lens)
+    return t(input_ids), t(positions), meta
+
+
+class ModelRunner:
+    """Executes scheduled steps on one device."""
+
+    def __init__(self, model: LlamaForCausalLM, kv: KVCacheStorage, backend, device: torch.device) -> None:
+        self.model = model
+        self.kv = kv
+        self.backend = backend
+        self.device = device
+        self.sampler = Sampler()
+        self._generators: dict[str, torch.Generator] = {}
+
+    def _generator(self, req: Request) -> torch.Generator | None:
+        if req.sampling_params.greedy:
+            return None
+        g = self._generators.get(req.request_id)
+        if g is None:
+            g = torch.Generator(device=self.device)
+            g.manual_seed(req.sampling_params.seed if req.sampling_params.seed is not None else req.sampling_seed)
+            self._generators[req.request_id] = g
+        return g
+
+    def release(self, request_id: str) -> None:
+        self._generators.pop(request_id, None)
+
+    def execute(self, out: SchedulerOutput, requests: dict[str, Request]) -> dict[str, int]:
+        """Run one step; returns the sampled token of every chunk that samples."""
+        chunks = sorted(out.chunks, key=lambda c: c.num_tokens != 1)  # stable: decodes first
+        input_ids, positions, meta = build_metadata(chunks, self.kv.block_size, self.device)
+        hidden = self.model(input_ids, positions, meta, self.kv, self.backend)
+        sampling = [(i, c) for i, c in enumerate(chunks) if c.sample]
+        if not sampling:
+            return {}
+        rows = torch.tensor([meta.query_start_loc_list[i + 1] - 1 for i, _ in sampling], device=self.device)
+        logits = self.model.compute_logits(hidden[rows])
+        reqs = [requests[c.request_id] for _, c in sampling]
+        tokens = self.sampler.sample(logits, [r.sampling_params for r in reqs],
+                                     [self._generator(r) for r in reqs])
+        return {c.request_id: tok for (_, c), tok in zip(sampling, tokens, strict=True)}

@@ -1,0 +1,169 @@
+"""Continuous batching: which requests run in the next step, and with how many tokens.
+
+Every step spends one token budget (``max_num_batched_tokens``): running requests first (oldest
+first), then waiting ones (FCFS) while there are sequence slots (``max_num_seqs``). A prompt that
+does not fit the budget is prefilled in chunks over several steps; prefill and decode share a
+step. When the KV pool runs out, the newest running request is preempted: its blocks are freed
+and it goes back to the front of the waiting queue, to be recomputed (prompt + tokens so far).
+No torch here: the output is plain data (``SchedulerOutput``).
+
+Invariants: a request is in exactly one of ``waiting``/``running`` until it finishes; finished,
+aborted and preempted requests hold no blocks.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from pagedllm.config import SchedulerConfig
+from pagedllm.engine.request import Request, RequestStatus
+from pagedllm.kvcache.manager import KVCacheManager
+
+
+@dataclass
+class ScheduledChunk:
+    """One request's share of a step: compute ``token_ids`` at positions ``start_pos...``."""
+
+    request_id: str
+    token_ids: list[int]
+    start_pos: int
+    block_ids: list[int]
+    sample: bool  # the chunk reaches the end of the known tokens: sample the next one
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def seq_len(self) -> int:
+        return self.start_pos + len(self.token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+class Scheduler:
+    """Iteration-level scheduler over a ``KVCacheManager``."""
+
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+
+    # -- admission -------------------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # -- one step ----------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        scheduled: set[str] = set()
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(req.request_id, req.num_computed_tokens + num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim.request_id)
+                if victim is req:
+                    break
+            else:
+                out.chunks.append(self._chunk(req, num_new))
+                scheduled.add(req.request_id)
+                budget -= num_new
+                i += 1
+                continue
+            break  # the current request preempted itself: nothing newer is left to schedule
+
+        if not out.preempted:
+            while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+                req = self.waiting[0]
+                num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+                if not self.kv.allocate_slots(req.request_id, req.num_computed_tokens + num_new):
+                    break
+                self.waiting.popleft()
+                req.status = RequestStatus.RUNNING
+                self.running.append(req)
+                out.chunks.append(self._chunk(req, num_new))
+                budget -= num_new
+        return out
+
+    def _chunk(self, req: Request, num_new: int) -> ScheduledChunk:
+        start = req.num_computed_tokens
+        return ScheduledChunk(
+            request_id=req.request_id,
+            token_ids=req.token_ids[start:start + num_new],
+            start_pos=start,
+            block_ids=self.kv.block_ids(req.request_id),
+            sample=start + num_new == req.num_tokens,
+        )
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req.request_id)
+        self.kv.record_preemption()
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    # -- after the model ran -------------------------------------------------------------------
+    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advance computed tokens, append sampled ones, finish what stopped.
+
+        Returns the requests that got a new token this step (finished ones included).
+        """
+        progressed = []
+        for chunk in out.chunks:
+            req = self.requests.get(chunk.request_id)
+            if req is None or req.status.finished:
+                continue
+            req.num_computed_tokens += chunk.num_tokens
+            token = sampled.get(chunk.request_id)
+            if token is None:
+                continue
+            req.append_output(token)
+            status = req.check_stop(self.config.max_model_len)
+            if status is not None:
+                self.finish(req.request_id, status)
+            progressed.append(req)
+        return progressed
+
+    def finish(self, request_id: str, status: RequestStatus) -> Request | None:
+        """Finish (or abort) a request wherever it is and free its blocks. Idempotent."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        req.status = status
+        self.kv.free(request_id)
+        return req

@@ -1,0 +1,44 @@
+"""BlockTable: one request's map from logical block index to physical block.
+
+Token at position ``p`` lives in ``blocks[p // block_size]`` at offset ``p % block_size``; its
+slot in the flattened KV tensors is ``block_id * block_size + offset``.
+Invariant: ``len(blocks) * block_size >= num_slots`` (capacity covers every reserved slot).
+"""
+
+from __future__ import annotations
+
+from pagedllm.kvcache.block import Block
+
+
+class BlockTable:
+    """Logical -> physical block ids of one request, and its number of reserved slots."""
+
+    __slots__ = ("block_size", "blocks", "num_slots")
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.blocks: list[Block] = []
+        self.num_slots = 0
+
+    @property
+    def block_ids(self) -> list[int]:
+        return [b.block_id for b in self.blocks]
+
+    def blocks_needed(self, num_slots: int) -> int:
+        """How many more blocks reserving ``num_slots`` slots in total would take."""
+        return max(0, -(-num_slots // self.block_size) - len(self.blocks))
+
+    def append_blocks(self, blocks: list[Block], num_slots: int) -> None:
+        self.blocks.extend(blocks)
+        self.num_slots = max(self.num_slots, num_slots)
+        assert len(self.blocks) * self.block_size >= self.num_slots
+
+    def slot(self, position: int) -> int:
+        block = self.blocks[position // self.block_size]
+        return block.block_id * self.block_size + position % self.block_size
+
+    def slots(self, start: int, end: int) -> list[int]:
+        """Slots of positions ``start..end-1``."""
+        bs = self.block_size
+        ids = self.block_ids
+        return [ids[p // bs] * bs + p % bs for p in range(start, end)]

@@ -1,0 +1,1 @@
+"""Data plane of the KV cache: the pre-allocated tensors that blocks index into."""

@@ -1,0 +1,1 @@
+"""Model definitions, weight loaders and the tokenizer."""

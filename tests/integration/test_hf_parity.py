@@ -1,0 +1,43 @@
+"""Greedy outputs equal HF transformers token for token (embedded SmolLM2, tiny Llama, tiny Qwen2)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams
+from tests.conftest import hf_greedy, make_tiny_checkpoint
+
+NEW_TOKENS = 32
+
+
+@pytest.mark.slow
+def test_smollm_batched_equals_hf_alone(smollm_fp32, hf_smollm_fp32, parity_prompts):
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
+    ours = smollm_fp32.generate([{"prompt_token_ids": p} for p in parity_prompts], params, use_tqdm=False)
+    eos = sorted(smollm_fp32.engine.eos_token_ids)
+    for prompt, out in zip(parity_prompts, ours, strict=True):
+        expected = hf_greedy(hf_smollm_fp32, prompt, NEW_TOKENS, eos_token_id=eos)
+        assert out.outputs[0].token_ids == expected, f"prompt of {len(prompt)} tokens diverged"
+    stats = smollm_fp32.kv_cache_stats()
+    assert stats["num_free_blocks"] == stats["num_blocks"]
+    smollm_fp32.engine.kv_manager.check_invariants()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_tiny_random_checkpoint_equals_hf(tmp_path, arch):
+    from transformers import AutoModelForCausalLM
+
+    folder = make_tiny_checkpoint(tmp_path / arch, arch)
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    gen = torch.Generator().manual_seed(1)
+    lengths = [1, 5, 8, 9, 17, 40, 70]
+    prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in lengths]
+    llm = LLM(model=folder, dtype="float32", block_size=8, num_kv_blocks=128, max_num_batched_tokens=64)
+    assert llm.get_tokenizer() is None
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+    for prompt, out in zip(prompts, outs, strict=True):
+        # ignore_eos on our side; HF must not stop early either
+        assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 24, eos_token_id=None), f"len {len(prompt)}"
+    assert llm.kv_cache_stats()["num_free_blocks"] == 128
+    llm.engine.kv_manager.check_invariants()
