@@ -1,7 +1,8 @@
 """vLLM-compatible ``SamplingParams``, validated when built.
 
 Defaults follow vLLM: ``max_tokens=16``, ``temperature=1.0``; ``temperature=0`` means greedy.
-``top_k=-1`` (or ``0``, as in current vLLM) disables top-k; ``top_p=1`` disables nucleus sampling.
+``top_k=-1`` disables top-k (``0`` is rejected, as in vLLM before 0.8: it would keep no token);
+``top_p=1`` disables nucleus sampling.
 """
 
 from __future__ import annotations
@@ -38,10 +39,8 @@ class SamplingParams:
         if not isinstance(self.top_p, int | float) or isinstance(self.top_p, bool) \
                 or not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not is_int(self.top_k) or self.top_k < -1:
-            raise ValueError(f"top_k must be -1 or 0 (disabled) or at least 1, got {self.top_k!r}")
-        if self.top_k == 0:
-            self.top_k = -1
+        if not is_int(self.top_k) or self.top_k < -1 or self.top_k == 0:
+            raise ValueError(f"top_k must be -1 (disabled) or at least 1, got {self.top_k!r}")
         if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if self.seed is not None and not is_int(self.seed):

@@ -1,0 +1,170 @@
+"""The engine end to end on the embedded SmolLM2 (float32): batch invariance, preemption, errors,
+stops, seeds, chat, accounting."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.errors import InvalidRequest, RequestTooLong
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
+
+
+def token_ids(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def assert_all_free(llm):
+    stats = llm.kv_cache_stats()
+    assert stats["num_free_blocks"] == stats["num_blocks"]
+    llm.engine.kv_manager.check_invariants()
+    assert not llm.engine.scheduler.requests and not llm.engine._states
+
+
+@pytest.fixture(scope="module")
+def batched_reference(smollm_fp32, parity_prompts):
+    prompts = [{"prompt_token_ids": p} for p in parity_prompts]
+    return prompts, token_ids(smollm_fp32.generate(prompts, GREEDY, use_tqdm=False))
+
+
+@pytest.mark.slow
+def test_one_at_a_time_equals_all_together(smollm_fp32, batched_reference):
+    prompts, together = batched_reference
+    alone = [token_ids(smollm_fp32.generate(p, GREEDY, use_tqdm=False))[0] for p in prompts]
+    assert alone == together
+    assert_all_free(smollm_fp32)
+
+
+@pytest.mark.slow
+def test_tiny_pool_preempts_and_still_gives_identical_outputs(batched_reference):
+    prompts, together = batched_reference
+    # 12 blocks of 16 tokens = 192 slots for 8 requests of up to 121 tokens: preemption is certain
+    small = LLM(dtype="float32", num_kv_blocks=12, max_num_batched_tokens=64)
+    outs = small.generate(prompts, GREEDY, use_tqdm=False)
+    assert small.kv_cache_stats()["num_preemptions"] > 0
+    assert token_ids(outs) == together
+    assert sum(o.metrics.num_preemptions for o in outs) == small.kv_cache_stats()["num_preemptions"]
+    assert_all_free(small)
+
+
+def test_outputs_come_back_in_input_order_with_prompt_fields(smollm_fp32):
+    prompts = ["Hello", "The sky is", "1, 2, 3,"]
+    outs = smollm_fp32.generate(prompts, SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)
+    tok = smollm_fp32.get_tokenizer()
+    for p, o in zip(prompts, outs, strict=True):
+        assert o.prompt == p and o.prompt_token_ids == tok.encode(p)
+        assert o.finished and len(o.outputs[0].token_ids) == 5 and o.outputs[0].finish_reason == "length"
+        assert o.outputs[0].text == tok.decode(o.outputs[0].token_ids)
+    assert_all_free(smollm_fp32)
+
+
+@pytest.mark.parametrize("bad", [
+    dict(max_tokens=0), dict(temperature=-1.0), dict(top_p=0.0), dict(top_p=1.01), dict(top_k=0),
+    dict(top_k=-5), dict(n=0)])
+def test_invalid_params_raise_and_the_llm_still_works(smollm_fp32, batched_reference, bad):
+    with pytest.raises(ValueError):
+        smollm_fp32.generate("hi", SamplingParams(**bad), use_tqdm=False)
+    prompts, together = batched_reference
+    assert token_ids(smollm_fp32.generate(prompts[:2], GREEDY, use_tqdm=False)) == together[:2]
+    assert_all_free(smollm_fp32)
+
+
+def test_too_long_prompt_is_rejected_naming_the_limit_and_nothing_leaks(smollm_fp32, batched_reference):
+    limit = smollm_fp32.engine.config.scheduler.max_model_len
+    with pytest.raises(RequestTooLong, match=f"max_model_len \\({limit}\\)"):
+        smollm_fp32.generate(["ok", {"prompt_token_ids": [5] * limit}], GREEDY, use_tqdm=False)
+    assert_all_free(smollm_fp32)
+    prompts, together = batched_reference
+    assert token_ids(smollm_fp32.generate(prompts[3:5], GREEDY, use_tqdm=False)) == together[3:5]
+
+
+def test_request_bigger_than_the_pool_is_rejected():
+    llm = LLM(dtype="float32", num_kv_blocks=4, block_size=16)
+    with pytest.raises(RequestTooLong, match="num_kv_blocks=4"):
+        llm.generate({"prompt_token_ids": [7] * 60}, SamplingParams(max_tokens=10), use_tqdm=False)
+    out = llm.generate({"prompt_token_ids": [7] * 40}, SamplingParams(temperature=0, max_tokens=10), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 10
+    assert_all_free(llm)
+
+
+@pytest.mark.parametrize("prompt,match", [("", "empty"), ([], "empty"), ([10**9], "token ids"),
+                                          (3.5, "string or a list"), ({"nothing": 1}, "prompt_token_ids")])
+def test_malformed_prompts_raise_invalid_request(smollm_fp32, prompt, match):
+    with pytest.raises(InvalidRequest, match=match):
+        smollm_fp32.generate([prompt], GREEDY, use_tqdm=False)
+    assert_all_free(smollm_fp32)
+
+
+def test_stop_string_truncates_text_and_finishes(smollm_fp32):
+    base = smollm_fp32.generate("Count: 1, 2, 3,", SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
+    text = base[0].outputs[0].text
+    stop = text[4:6]
+    assert stop.strip()
+    out = smollm_fp32.generate("Count: 1, 2, 3,", SamplingParams(temperature=0, max_tokens=12, stop=[stop]),
+                               use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == text[:text.find(stop)]
+    inc = smollm_fp32.generate("Count: 1, 2, 3,", SamplingParams(
+        temperature=0, max_tokens=12, stop=stop, include_stop_str_in_output=True), use_tqdm=False)[0].outputs[0]
+    assert inc.text == text[:text.find(stop) + len(stop)]
+    assert_all_free(smollm_fp32)
+
+
+def test_stop_token_ids_and_ignore_eos(smollm_fp32):
+    base = smollm_fp32.generate("The sky is", SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    ids = base[0].outputs[0].token_ids
+    out = smollm_fp32.generate("The sky is", SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[ids[3]]),
+                               use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == ids[:4] and out.finish_reason == "stop" and out.stop_reason == ids[3]
+    chat = [{"role": "user", "content": "Say hi."}]
+    natural = smollm_fp32.chat(chat, SamplingParams(temperature=0, max_tokens=64), use_tqdm=False)[0].outputs[0]
+    assert natural.finish_reason == "stop" and natural.token_ids[-1] in smollm_fp32.engine.eos_token_ids
+    forced = smollm_fp32.chat(chat, SamplingParams(temperature=0, max_tokens=len(natural.token_ids) + 3,
+                                                   ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    assert forced.finish_reason == "length" and forced.token_ids[:len(natural.token_ids)] == natural.token_ids
+
+
+def test_seeded_sampling_is_reproducible_alone_or_batched(smollm_fp32):
+    p = SamplingParams(temperature=0.9, top_p=0.9, top_k=40, seed=1234, max_tokens=16)
+    alone = token_ids(smollm_fp32.generate("Tell me a story", p, use_tqdm=False))[0]
+    batched = token_ids(smollm_fp32.generate(
+        ["Other prompt", "Tell me a story", "x"], [SamplingParams(temperature=1.0, max_tokens=9), p,
+                                                   SamplingParams(temperature=0.5, max_tokens=20)],
+        use_tqdm=False))[1]
+    assert alone == batched
+    other = token_ids(smollm_fp32.generate("Tell me a story", SamplingParams(
+        temperature=0.9, top_p=0.9, top_k=40, seed=99, max_tokens=16), use_tqdm=False))[0]
+    assert other != alone
+
+
+def test_top_k_one_is_greedy(smollm_fp32, batched_reference):
+    prompts, together = batched_reference
+    outs = smollm_fp32.generate(prompts[:3], SamplingParams(temperature=1.3, top_k=1, max_tokens=24), use_tqdm=False)
+    assert token_ids(outs) == together[:3]
+
+
+def test_chat_applies_the_template(smollm_fp32):
+    out = smollm_fp32.chat([{"role": "user", "content": "What is the capital of France?"}],
+                           SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)[0]
+    assert out.prompt.startswith("<|im_start|>system") and out.prompt.endswith("<|im_start|>assistant\n")
+    assert "Paris" in out.outputs[0].text
+
+
+def test_abort_mid_generation_frees_blocks(smollm_fp32):
+    engine = smollm_fp32.engine
+    engine.add_request("x", "Once upon a time", SamplingParams(temperature=0, max_tokens=50))
+    engine.add_request("y", "Hello there", SamplingParams(temperature=0, max_tokens=3))
+    for _ in range(3):
+        engine.step()
+    assert engine.kv_manager.num_free_blocks < engine.kv_manager.num_blocks
+    assert engine.abort("x") and not engine.abort("x")
+    while engine.has_unfinished():
+        engine.step()
+    assert_all_free(smollm_fp32)
+
+
+def test_parallel_sampling_is_refused_clearly_for_now(smollm_fp32):
+    with pytest.raises(InvalidRequest, match="n > 1"):
+        smollm_fp32.generate("hi", SamplingParams(n=2), use_tqdm=False)
+    assert_all_free(smollm_fp32)
