@@ -8,7 +8,8 @@ from pagedllm import SamplingParams
 @pytest.mark.parametrize("kwargs,field", [
     ({"max_tokens": 0}, "max_tokens"), ({"max_tokens": -3}, "max_tokens"),
     ({"temperature": -0.1}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"),
-    ({"top_p": -1}, "top_p"), ({"top_k": -2}, "top_k"), ({"top_k": 0}, "top_k"), ({"n": 0}, "n must"), ({"n": -1}, "n must"),
+    ({"top_p": -1}, "top_p"), ({"top_k": -2}, "top_k"), ({"top_k": 0}, "top_k"),
+    ({"n": 0}, "n must"), ({"n": -1}, "n must"),
     ({"seed": "x"}, "seed"), ({"stop": 5}, "stop"), ({"stop": [""]}, "stop"),
     ({"stop_token_ids": [-1]}, "stop_token_ids"), ({"temperature": float("nan")}, "temperature"),
 ])
