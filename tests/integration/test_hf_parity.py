@@ -24,8 +24,9 @@ def test_smollm_batched_equals_hf_alone(smollm_fp32, hf_smollm_fp32, parity_prom
     smollm_fp32.engine.kv_manager.check_invariants()
 
 
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_tiny_random_checkpoint_equals_hf(tmp_path, arch):
+def test_tiny_random_checkpoint_equals_hf(tmp_path, arch, backend):
     from transformers import AutoModelForCausalLM
 
     folder = make_tiny_checkpoint(tmp_path / arch, arch)
@@ -33,7 +34,9 @@ def test_tiny_random_checkpoint_equals_hf(tmp_path, arch):
     gen = torch.Generator().manual_seed(1)
     lengths = [1, 5, 8, 9, 17, 40, 70]
     prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in lengths]
-    llm = LLM(model=folder, dtype="float32", block_size=8, num_kv_blocks=128, max_num_batched_tokens=64)
+    llm = LLM(model=folder, dtype="float32", block_size=8, num_kv_blocks=128, max_num_batched_tokens=64,
+              attention_backend=backend)
+    assert llm.engine.runner.backend.name == backend
     assert llm.get_tokenizer() is None
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), use_tqdm=False)
     for prompt, out in zip(prompts, outs, strict=True):

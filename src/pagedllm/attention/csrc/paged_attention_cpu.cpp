@@ -1,0 +1,234 @@
+// Paged attention for CPU: reads K/V straight through the block table (no gather copy).
+//
+// One work item = (query tile of one sequence, kv head). For each item, the G = H / KH query
+// heads that share the kv head are processed together so each K/V row is converted once. Keys
+// are visited block by block with an online softmax: per block, the running max m, normaliser l
+// and unnormalised accumulator are rescaled by exp(m_old - m_new) -- the log-sum-exp merge.
+// A query at absolute position p sees keys 0..p (causal within the new chunk, all of the cached
+// prefix). Storage may be float32, bfloat16 or float16; maths is float32.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int kQueryTile = 16;
+
+// exp(x) for x <= 0 (softmax arguments): Cephes-style range reduction x = n ln2 + r and a degree-6
+// polynomial, ~1 ulp; written branch-free so loops over it vectorise (std::exp does not).
+#pragma omp declare simd
+inline float exp_nonpositive(float x) {
+  x = x < -87.0f ? -87.0f : x;
+  const float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  __builtin_memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+template <typename T>
+inline void to_float(const T* src, float* dst, int n) {
+#pragma omp simd
+  for (int i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+// bfloat16 is the top half of a float32: widen the bits directly (vectorises, unlike the class cast)
+template <>
+inline void to_float<c10::BFloat16>(const c10::BFloat16* src, float* dst, int n) {
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
+  uint32_t* out = reinterpret_cast<uint32_t*>(dst);
+#pragma omp simd
+  for (int i = 0; i < n; ++i) out[i] = static_cast<uint32_t>(bits[i]) << 16;
+}
+
+template <typename T>
+inline void from_float(const float* src, T* dst, int n) {
+  for (int i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i]);
+}
+
+struct Tile {
+  int64_t seq;
+  int64_t q_begin;  // row in the flat batch
+  int64_t q_end;
+};
+
+// kD > 0 fixes the head dim at compile time (fully unrolled dot products); kD = 0 reads it at run time.
+template <typename T, int kD>
+void attention_kernel(const T* q, const T* kc, const T* vc, T* out, const int64_t* qsl,
+                      const int64_t* seq_lens, const int64_t* tables, int64_t num_seqs,
+                      int64_t max_blocks, int64_t H, int64_t KH, int64_t head_dim, int64_t B, float scale) {
+  const int64_t D = kD > 0 ? kD : head_dim;
+  const int64_t G = H / KH;
+  std::vector<Tile> tiles;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    for (int64_t r = qsl[s]; r < qsl[s + 1]; r += kQueryTile) {
+      tiles.push_back({s, r, std::min<int64_t>(r + kQueryTile, qsl[s + 1])});
+    }
+  }
+  const int64_t num_items = static_cast<int64_t>(tiles.size()) * KH;
+  const int64_t row_stride = KH * D;      // between tokens in a block
+  const int64_t block_stride = B * KH * D;
+
+  at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
+    const int64_t max_rows = kQueryTile * G;
+    std::vector<float> qf(max_rows * D), acc(max_rows * D), m(max_rows), l(max_rows);
+    std::vector<float> scores(max_rows * B), kf(B * D), vf(B * D);
+    std::vector<int64_t> row_pos(max_rows);
+    for (int64_t item = begin; item < end; ++item) {
+      const Tile& tile = tiles[item / KH];
+      const int64_t kh = item % KH;
+      const int64_t nq = tile.q_end - tile.q_begin;
+      const int64_t ctx = seq_lens[tile.seq];
+      const int64_t first_pos = ctx - (qsl[tile.seq + 1] - qsl[tile.seq]) + (tile.q_begin - qsl[tile.seq]);
+      const int64_t rows = nq * G;
+      for (int64_t i = 0; i < nq; ++i) {
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t r = i * G + g;
+          to_float(q + ((tile.q_begin + i) * H + kh * G + g) * D, &qf[r * D], D);
+          for (int64_t d = 0; d < D; ++d) qf[r * D + d] *= scale;
+          row_pos[r] = first_pos + i;
+          m[r] = -std::numeric_limits<float>::infinity();
+          l[r] = 0.f;
+          std::fill(&acc[r * D], &acc[r * D] + D, 0.f);
+        }
+      }
+      const int64_t last_key = first_pos + nq;  // keys 0..last_key-1 are visible to some row
+      const int64_t nblocks = (last_key + B - 1) / B;
+      const int64_t* table = tables + tile.seq * max_blocks;
+      for (int64_t b = 0; b < nblocks; ++b) {
+        const int64_t n = std::min<int64_t>(B, last_key - b * B);
+        const T* kb = kc + table[b] * block_stride + kh * D;
+        const T* vb = vc + table[b] * block_stride + kh * D;
+        for (int64_t j = 0; j < n; ++j) {
+          to_float(kb + j * row_stride, &kf[j * D], D);
+          to_float(vb + j * row_stride, &vf[j * D], D);
+        }
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t visible = std::min<int64_t>(n, row_pos[r] - b * B + 1);
+          if (visible <= 0) continue;
+          float* sc = &scores[r * B];
+          const float* qr = &qf[r * D];
+          float block_max = -std::numeric_limits<float>::infinity();
+          for (int64_t j = 0; j < visible; ++j) {
+            const float* kr = &kf[j * D];
+            float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t d = 0; d < D; ++d) dot += qr[d] * kr[d];
+            sc[j] = dot;
+            block_max = std::max(block_max, dot);
+          }
+          const float m_new = std::max(m[r], block_max);
+          // rescale what earlier blocks contributed (nothing yet when m[r] = -inf)
+          const float alpha = std::isinf(m[r]) ? 0.f : exp_nonpositive(m[r] - m_new);
+          float* ar = &acc[r * D];
+          float block_sum = 0.f;
+#pragma omp simd reduction(+ : block_sum)
+          for (int64_t j = 0; j < visible; ++j) {
+            sc[j] = exp_nonpositive(sc[j] - m_new);
+            block_sum += sc[j];
+          }
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) ar[d] *= alpha;
+          for (int64_t j = 0; j < visible; ++j) {
+            const float p = sc[j];
+            const float* vr = &vf[j * D];
+#pragma omp simd
+            for (int64_t d = 0; d < D; ++d) ar[d] += p * vr[d];
+          }
+          l[r] = l[r] * alpha + block_sum;
+          m[r] = m_new;
+        }
+      }
+      for (int64_t i = 0; i < nq; ++i) {
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t r = i * G + g;
+          const float inv = 1.f / l[r];
+          float* ar = &acc[r * D];
+          for (int64_t d = 0; d < D; ++d) ar[d] *= inv;
+          from_float(ar, out + ((tile.q_begin + i) * H + kh * G + g) * D, D);
+        }
+      }
+    }
+  });
+}
+
+template <typename T>
+void store_kernel(const T* key, const T* value, T* kc, T* vc, const int64_t* slots, int64_t num_tokens,
+                  int64_t row) {
+  at::parallel_for(0, num_tokens, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t slot = slots[t];
+      if (slot < 0) continue;  // padding: never written
+      std::copy(key + t * row, key + (t + 1) * row, kc + slot * row);
+      std::copy(value + t * row, value + (t + 1) * row, vc + slot * row);
+    }
+  });
+}
+
+void check_cache(const torch::Tensor& k_cache, const torch::Tensor& v_cache) {
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "caches must be contiguous [num_blocks, block_size, kv_heads, head_dim]");
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.dtype() == v_cache.dtype(), "K/V caches differ");
+}
+
+}  // namespace
+
+// query [T, H, D]; caches [NB, B, KH, D]; query_start_loc [S+1], seq_lens [S], block_tables [S, MB] (int64)
+torch::Tensor paged_attention(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
+                              torch::Tensor query_start_loc, torch::Tensor seq_lens, torch::Tensor block_tables,
+                              double scale) {
+  check_cache(k_cache, v_cache);
+  TORCH_CHECK(query.dim() == 3 && query.dtype() == k_cache.dtype(), "query must be [T, H, D] in the cache dtype");
+  query = query.contiguous();
+  auto qsl = query_start_loc.to(torch::kLong).contiguous();
+  auto lens = seq_lens.to(torch::kLong).contiguous();
+  auto tables = block_tables.to(torch::kLong).contiguous();
+  auto out = torch::empty_like(query);
+  const int64_t H = query.size(1), D = query.size(2), B = k_cache.size(1), KH = k_cache.size(2);
+  TORCH_CHECK(H % KH == 0 && D == k_cache.size(3), "head shapes do not match the cache");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_attention", [&] {
+    auto run = [&](auto kernel) {
+      kernel(query.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
+             out.data_ptr<scalar_t>(), qsl.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
+             tables.data_ptr<int64_t>(), lens.size(0), tables.size(1), H, KH, D, B, static_cast<float>(scale));
+    };
+    switch (D) {
+      case 64: run(attention_kernel<scalar_t, 64>); break;
+      case 128: run(attention_kernel<scalar_t, 128>); break;
+      default: run(attention_kernel<scalar_t, 0>); break;
+    }
+  });
+  return out;
+}
+
+// Store new K/V rows [T, KH, D] into their slots; slot < 0 is padding and is skipped.
+void store_kv(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, torch::Tensor v_cache,
+              torch::Tensor slot_mapping) {
+  check_cache(k_cache, v_cache);
+  key = key.to(k_cache.dtype()).contiguous();
+  value = value.to(v_cache.dtype()).contiguous();
+  auto slots = slot_mapping.to(torch::kLong).contiguous();
+  const int64_t row = k_cache.size(2) * k_cache.size(3);
+  TORCH_CHECK(key.numel() == slots.numel() * row, "key rows do not match the slot mapping");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, key.scalar_type(), "store_kv", [&] {
+    store_kernel<scalar_t>(key.data_ptr<scalar_t>(), value.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
+                           v_cache.data_ptr<scalar_t>(), slots.data_ptr<int64_t>(), slots.numel(), row);
+  });
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_attention", &paged_attention, "paged attention over a block table (CPU)");
+  m.def("store_kv", &store_kv, "store K/V rows into their slots (CPU)");
+}

@@ -1,0 +1,62 @@
+"""The C++ CPU kernel equals the reference (and so dense SDPA) on every case the reference is tested on."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm.attention.cpu_kernel import CpuBackend, load_cpu_kernel
+from pagedllm.attention.reference import ReferenceBackend
+from tests.unit.test_reference_attention import HEAD_DIM, build_case, run_and_compare
+
+B = 16
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.fixture(scope="module")
+def backend():
+    module = load_cpu_kernel()
+    assert module is not None, "the C++ kernel must build on this machine (g++ is installed)"
+    return CpuBackend(HEAD_DIM ** -0.5, module)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("ctx", [1, B - 1, B, B + 1, 5 * B + 3, 4096])
+def test_decode_matches_dense(backend, ctx, dtype):
+    run_and_compare([(ctx, 1)], dtype=dtype, backend=backend)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_ragged_decode_and_chunked_prefill_batch(backend, dtype):
+    run_and_compare([(1, 1), (B - 1, 1), (B + 1, 1), (300, 1), (40, 7), (100, 33), (17, 17)],
+                    dtype=dtype, backend=backend)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2), (8, 1)])
+@pytest.mark.parametrize("block_size", [8, 16, 128])
+def test_gqa_ratios_and_block_sizes(backend, num_heads, num_kv_heads, block_size):
+    run_and_compare([(30, 1), (50, 12), (block_size, 1), (3, 3), (2 * block_size + 5, 20)],
+                    block_size=block_size, num_heads=num_heads, num_kv_heads=num_kv_heads, backend=backend)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_equals_the_reference_output_and_cache_writes(backend, dtype):
+    case = [(4096, 1), (77, 1), (500, 40), (16, 16)]
+    k1, v1, query, new_k, new_v, meta, _ = build_case(case, B, 9, 3, dtype, seed=5)
+    k2, v2 = k1.clone(), v1.clone()
+    ref = ReferenceBackend(HEAD_DIM ** -0.5)
+    ref.write_kv(k1, v1, new_k, new_v, meta)
+    backend.write_kv(k2, v2, new_k, new_v, meta)
+    assert torch.equal(k1, k2) and torch.equal(v1, v2)
+    tol = dict(atol=1e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(backend.forward(query, k2, v2, meta).float(),
+                               ref.forward(query, k1, v1, meta).float(), **tol)
+
+
+def test_store_skips_padding_slots(backend):
+    k_cache = torch.zeros(2, 4, 1, 2)
+    v_cache = torch.zeros_like(k_cache)
+    key = torch.ones(3, 1, 2)
+    backend.ops.store_kv(key, key * 2, k_cache, v_cache, torch.tensor([5, -1, 0]))
+    flat = k_cache.view(8, 1, 2)
+    assert flat[5].eq(1).all() and flat[0].eq(1).all() and flat[[1, 2, 3, 4, 6, 7]].eq(0).all()
