@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(PY) -m pagedllm.cli chat-once "$(PROMPT)" --max-tokens 96
+	$(PY) -m pagedllm.cli generate --chat "$(PROMPT)" --max-tokens 128
 
 test: $(STAMP)
 	$(PY) -m ruff check src tests

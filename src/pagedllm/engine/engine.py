@@ -100,8 +100,9 @@ class Engine:
         net.eval()
         del weights
         tokenizer = Tokenizer.load(path, path.suffix == ".gguf")
+        load_seconds = time.perf_counter() - t0  # weights + tokenizer; not the kernel build
         engine = cls(config, net, tokenizer, attention_backend)
-        engine.load_seconds = time.perf_counter() - t0
+        engine.load_seconds = load_seconds
         engine.model_path = path
         return engine
 

@@ -1,0 +1,1 @@
+"""Benchmarks: workloads and the throughput comparison against HF transformers."""

@@ -1,0 +1,204 @@
+"""Command line: ``pagedllm generate | chat | bench``.
+
+``generate`` prints the completion as it streams, then a one-line summary (tokens/s, peak KV
+blocks used / total). ``chat`` is an interactive conversation with the chat template applied.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from pagedllm.errors import PagedLLMError
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="local .gguf file or HF folder (default: embedded SmolLM2)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (8..128)")
+    g.add_argument("--kv-cache-memory", default="512MiB", help="KV pool size, e.g. 512MiB")
+    g.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (overrides memory)")
+    g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--attention-backend", default="auto", choices=["auto", "cpu", "reference"])
+    g.add_argument("--seed", type=int, default=0)
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--sampling-seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+
+
+def build_llm(args):
+    from pagedllm import LLM
+
+    return LLM(model=args.model, dtype=args.dtype, block_size=args.block_size,
+               kv_cache_memory=args.kv_cache_memory, num_kv_blocks=args.num_kv_blocks,
+               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+               max_model_len=args.max_model_len, seed=args.seed, attention_backend=args.attention_backend)
+
+
+def sampling_params(args):
+    from pagedllm import SamplingParams
+
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, seed=args.sampling_seed, stop=args.stop, ignore_eos=args.ignore_eos)
+
+
+def stream(llm, prompt, params, out=sys.stdout) -> dict:
+    """Generate one request, writing text as it arrives; returns a summary."""
+    engine = llm.engine
+    rid = engine.new_request_id()
+    engine.add_request(rid, prompt, params)
+    t0 = time.perf_counter()
+    first = None
+    printed = 0
+    peak = 0
+    final = None
+    try:
+        while final is None:
+            for o in engine.step():
+                if o.request_id != rid:
+                    continue
+                first = first or time.perf_counter()
+                text = o.outputs[0].text
+                out.write(text[printed:])
+                out.flush()
+                printed = len(text)
+                if o.finished:
+                    final = o
+            peak = max(peak, engine.kv_manager.num_blocks - engine.kv_manager.num_free_blocks)
+    finally:
+        engine.abort(rid)
+    dt = time.perf_counter() - t0
+    n = len(final.outputs[0].token_ids)
+    return {"tokens": n, "seconds": dt, "ttft": (first - t0) if first else None,
+            "finish_reason": final.outputs[0].finish_reason, "peak_blocks": peak,
+            "num_blocks": engine.kv_manager.num_blocks, "prompt_tokens": len(final.prompt_token_ids)}
+
+
+def summary_line(s: dict) -> str:
+    return (f"[{s['tokens']} tokens in {s['seconds']:.2f}s = {s['tokens'] / s['seconds']:.1f} tok/s, "
+            f"first token {s['ttft'] * 1000:.0f} ms, prompt {s['prompt_tokens']} tokens, "
+            f"KV blocks used {s['peak_blocks']}/{s['num_blocks']} (peak), finish: {s['finish_reason']}]")
+
+
+def cmd_generate(args) -> int:
+    llm = build_llm(args)
+    eng = llm.engine
+    print(f"[model {eng.model_path.name}, {eng.config.dtype}, loaded in {eng.load_seconds:.1f}s, "
+          f"attention {eng.runner.backend.name}, {eng.kv_manager.num_blocks} KV blocks of "
+          f"{eng.kv_manager.block_size} tokens]", file=sys.stderr)
+    prompt = args.prompt
+    if args.chat:
+        prompt = {"prompt_token_ids": llm.get_tokenizer().apply_chat_template([{"role": "user", "content": prompt}])}
+    s = stream(llm, prompt, sampling_params(args))
+    print()
+    print(summary_line(s))
+    return 0
+
+
+def cmd_chat(args) -> int:
+    llm = build_llm(args)
+    tok = llm.get_tokenizer()
+    params = sampling_params(args)
+    history: list[dict] = []
+    if args.system:
+        history.append({"role": "system", "content": args.system})
+    print("pagedllm chat: type a message; /reset clears the history, /exit (or Ctrl-D) quits.", file=sys.stderr)
+    while True:
+        try:
+            line = input("you> ")
+        except (EOFError, KeyboardInterrupt):
+            print(file=sys.stderr)
+            return 0
+        if line.strip() in ("/exit", "/quit"):
+            return 0
+        if line.strip() == "/reset":
+            history = history[:1] if args.system else []
+            continue
+        if not line.strip():
+            continue
+        history.append({"role": "user", "content": line})
+        ids = tok.apply_chat_template(history)
+        print("assistant> ", end="", flush=True)
+        buf = _Tee(sys.stdout)
+        s = stream(llm, {"prompt_token_ids": ids}, params, out=buf)
+        print()
+        print(summary_line(s), file=sys.stderr)
+        history.append({"role": "assistant", "content": buf.text})
+
+
+class _Tee:
+    def __init__(self, out) -> None:
+        self.out, self.text = out, ""
+
+    def write(self, s: str) -> None:
+        self.text += s
+        self.out.write(s)
+
+    def flush(self) -> None:
+        self.out.flush()
+
+
+def cmd_bench(args) -> int:
+    from pagedllm.bench import throughput
+
+    throughput.main(args)
+    return 0
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedllm", description="LLM inference over a paged KV cache")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="complete one prompt, streamed, with a summary line")
+    gen.add_argument("prompt")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt as a user message (chat template)")
+    add_engine_args(gen)
+    add_sampling_args(gen)
+    gen.set_defaults(func=cmd_generate)
+    chat = sub.add_parser("chat", help="interactive chat, tokens streamed as they come")
+    chat.add_argument("--system", default=None, help="system prompt")
+    add_engine_args(chat)
+    add_sampling_args(chat)
+    chat.set_defaults(func=cmd_chat, max_tokens=512)
+    bench = sub.add_parser("bench", help="benchmarks")
+    bsub = bench.add_subparsers(dest="bench", required=True)
+    tp = bsub.add_parser("throughput", help="pagedllm vs HF transformers padded batched generate")
+    tp.add_argument("--model", default=None)
+    tp.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    tp.add_argument("--num-requests", type=int, default=32)
+    tp.add_argument("--prompt-len", default="32:512", help="N or MIN:MAX (uniform)")
+    tp.add_argument("--output-len", default="16:256", help="N or MIN:MAX (uniform)")
+    tp.add_argument("--hf-batch-size", type=int, default=32)
+    tp.add_argument("--block-size", type=int, default=16)
+    tp.add_argument("--kv-cache-memory", default="512MiB")
+    tp.add_argument("--max-num-seqs", type=int, default=64)
+    tp.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    tp.add_argument("--seed", type=int, default=0)
+    tp.add_argument("--skip-hf", action="store_true", help="measure pagedllm only")
+    tp.add_argument("--json", default=None, help="also write the report to this file")
+    tp.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = make_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (PagedLLMError, ValueError) as e:
+        print(f"pagedllm: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
