@@ -1,0 +1,56 @@
+"""The command line, run as a user would: real processes, real output."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from tests.conftest import make_tiny_checkpoint
+
+
+def run_cli(*args: str, stdin: str | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pagedllm.cli", *args], input=stdin, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_generate_streams_text_and_prints_a_summary():
+    r = run_cli("generate", "The capital of France is", "--max-tokens", "8", "--dtype", "float32")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.strip().splitlines()
+    assert "Paris" in r.stdout
+    summary = lines[-1]
+    assert summary.startswith("[8 tokens in") and "tok/s" in summary and "KV blocks used" in summary
+    assert "finish: length" in summary
+
+
+def test_chat_reads_turns_from_stdin_and_keeps_history():
+    r = run_cli("chat", "--max-tokens", "12", "--dtype", "float32",
+                stdin="My name is Ada.\n/reset\nWhat is 2+2?\n/exit\n")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("assistant> ") == 2
+    assert r.stderr.count("tok/s") == 2
+
+
+def test_bad_arguments_give_a_message_not_a_traceback():
+    r = run_cli("generate", "hi", "--block-size", "7")
+    assert r.returncode == 2
+    assert "block_size must be an integer in 8..128" in r.stderr and "Traceback" not in r.stderr
+    r = run_cli("generate", "hi", "--top-p", "0")
+    assert r.returncode == 2 and "top_p" in r.stderr and "Traceback" not in r.stderr
+    r = run_cli("generate", "hi", "--model", "/nonexistent/model.gguf")
+    assert r.returncode == 2 and "not found" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_bench_throughput_compares_against_hf(tmp_path):
+    folder = make_tiny_checkpoint(tmp_path / "tiny", "llama")
+    out = tmp_path / "report.json"
+    r = run_cli("bench", "throughput", "--model", folder, "--dtype", "float32", "--num-requests", "6",
+                "--prompt-len", "4:40", "--output-len", "2:12", "--hf-batch-size", "3", "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    report = json.loads(out.read_text())
+    systems = {res["system"]: res for res in report["results"]}
+    assert set(systems) == {"pagedllm", "hf-transformers"}
+    assert systems["pagedllm"]["useful_tokens"] == systems["hf-transformers"]["useful_tokens"]
+    assert systems["hf-transformers"]["computed_tokens"] >= systems["hf-transformers"]["useful_tokens"]
+    assert "pagedllm / HF transformers" in r.stdout
