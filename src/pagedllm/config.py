@@ -95,8 +95,16 @@ class CacheConfig:
     block_size: int = 16
     kv_cache_memory: int | str = "512MiB"
     num_kv_blocks: int | None = None
+    enable_prefix_caching: bool = True
+    eviction_policy: str = "lru"
 
     def __post_init__(self) -> None:
+        from pagedllm.kvcache.eviction import POLICIES
+
+        if self.eviction_policy not in POLICIES:
+            raise ValueError(f"eviction_policy must be one of {POLICIES}, got {self.eviction_policy!r}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
         if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or not (
                 MIN_BLOCK_SIZE <= self.block_size <= MAX_BLOCK_SIZE):
             raise ValueError(

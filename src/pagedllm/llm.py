@@ -20,16 +20,12 @@ class LLM:
     file or a local HF folder (config.json + safetensors [+ tokenizer]).
     """
 
-    def __init__(self, model: str | None = None, dtype: str = "auto", block_size: int = 16,
-                 kv_cache_memory: int | str = "512MiB", num_kv_blocks: int | None = None,
-                 max_num_seqs: int = 64, max_num_batched_tokens: int = 1024,
-                 max_model_len: int | None = None, seed: int = 0, device: str = "cpu",
-                 attention_backend: str = "auto") -> None:
-        self.engine = Engine.from_options(
-            model=model, dtype=dtype, block_size=block_size, kv_cache_memory=kv_cache_memory,
-            num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, seed=seed,
-            device=device, attention_backend=attention_backend)
+    def __init__(self, model: str | None = None, **engine_options) -> None:
+        """Options (all keyword, see docs/api.md): dtype="auto", block_size=16,
+        kv_cache_memory="512MiB", num_kv_blocks=None, max_num_seqs=64, max_num_batched_tokens=1024,
+        max_model_len=None, seed=0, device="cpu", attention_backend="auto",
+        enable_prefix_caching=True, eviction_policy="lru"."""
+        self.engine = Engine.from_options(model=model, **engine_options)
 
     def get_tokenizer(self):
         return self.engine.tokenizer

@@ -2,7 +2,7 @@
 
 import pytest
 
-from pagedllm.kvcache import BlockAllocator, BlockTable, KVCacheManager
+from pagedllm.kvcache import Block, BlockAllocator, BlockTable, FreeBlockQueue, KVCacheManager
 
 
 def ids(blocks):
@@ -15,7 +15,7 @@ def test_allocate_pops_in_id_order_and_free_returns_tail_first():
     assert ids(a) == [0, 1, 2]
     assert alloc.num_free == 3 and alloc.num_used == 3
     alloc.free(a)  # tail first: 2, 1, 0 appended after 3, 4, 5
-    assert ids(alloc.free_queue) == [3, 4, 5, 2, 1, 0]
+    assert ids(alloc.free_blocks) == [3, 4, 5, 2, 1, 0]
     assert ids(alloc.allocate(4)) == [3, 4, 5, 2]
 
 
@@ -30,26 +30,27 @@ def test_incref_takes_a_free_block_out_of_the_queue_and_decref_puts_it_back():
     alloc = BlockAllocator(3)
     block = alloc.blocks[1]
     alloc.incref(block)
-    assert block.ref_count == 1 and ids(alloc.free_queue) == [0, 2]
+    assert block.ref_count == 1 and ids(alloc.free_blocks) == [0, 2]
     alloc.incref(block)
     alloc.decref(block)
     assert block.ref_count == 1 and alloc.num_free == 2
     alloc.decref(block)
-    assert ids(alloc.free_queue) == [0, 2, 1]
+    assert ids(alloc.free_blocks) == [0, 2, 1]
     with pytest.raises(ValueError, match="released more often"):
         alloc.decref(block)
 
 
 def test_free_queue_remove_from_middle_and_popleft_empty():
-    alloc = BlockAllocator(3)
-    alloc.free_queue.remove(alloc.blocks[1])
-    assert ids(alloc.free_queue) == [0, 2] and len(alloc.free_queue) == 2
+    blocks = [Block(i) for i in range(3)]
+    queue = FreeBlockQueue(blocks)
+    queue.remove(blocks[1])
+    assert ids(queue) == [0, 2] and len(queue) == 2 and blocks[1] not in queue
     with pytest.raises(ValueError):
-        alloc.free_queue.remove(alloc.blocks[1])
-    alloc.free_queue.popleft()
-    alloc.free_queue.popleft()
+        queue.remove(blocks[1])
+    assert queue.popleft() is blocks[0]
+    queue.popleft()
     with pytest.raises(IndexError):
-        alloc.free_queue.popleft()
+        queue.popleft()
 
 
 def test_block_table_slots_follow_the_block_ids():

@@ -14,6 +14,7 @@ from pagedllm.engine.request import Request, RequestStatus
 from pagedllm.engine.sampling_params import SamplingParams
 from pagedllm.engine.scheduler import Scheduler, SchedulerOutput
 from pagedllm.kvcache import KVCacheManager
+from pagedllm.kvcache.eviction import POLICIES
 
 
 class FakePagedModel:
@@ -39,8 +40,8 @@ class FakePagedModel:
         return sampled
 
 
-def make(num_blocks=64, block_size=8, max_num_seqs=8, budget=32, max_model_len=512):
-    kv = KVCacheManager(num_blocks, block_size)
+def make(num_blocks=64, block_size=8, max_num_seqs=8, budget=32, max_model_len=512, policy="lru", caching=True):
+    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=caching, eviction_policy=policy)
     return Scheduler(SchedulerConfig(max_num_seqs, budget, max_model_len), kv), FakePagedModel(block_size)
 
 
@@ -153,19 +154,24 @@ def test_finish_frees_blocks_wherever_the_request_is():
 workloads = st.lists(st.tuples(st.integers(1, 60), st.integers(1, 30)), min_size=1, max_size=12)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(workload=workloads, num_blocks=st.integers(8, 40), budget=st.integers(8, 80),
-       max_num_seqs=st.integers(1, 8))
+       max_num_seqs=st.integers(1, 8), policy=st.sampled_from(POLICIES), caching=st.booleans(),
+       shared_prefix=st.integers(0, 20))
 def test_random_workloads_finish_with_the_same_tokens_as_an_unconstrained_run(
-        workload, num_blocks, budget, max_num_seqs):
+        workload, num_blocks, budget, max_num_seqs, policy, caching, shared_prefix):
     block_size = 8
     # only requests that fit the whole pool are admitted by the engine; mirror that
     workload = [(p, m) for p, m in workload if -(-(p + m) // block_size) <= num_blocks] or [(1, 1)]
-    sched, model = make(num_blocks, block_size, max_num_seqs, budget)
-    ref, ref_model = make(1024, block_size, 64, 4096)
+    sched, model = make(num_blocks, block_size, max_num_seqs, budget, policy=policy, caching=caching)
+    ref, ref_model = make(1024, block_size, 64, 4096, caching=False)
     for i, (p, m) in enumerate(workload):
-        sched.add(req(str(i), p, m, first=10 + i))
-        ref.add(req(str(i), p, m, first=10 + i))
+        # the first `shared_prefix` tokens are common to all prompts, so prefix hits happen
+        for s in (sched, ref):
+            r = req(str(i), p, m, first=10 + i)
+            r.token_ids[:shared_prefix] = list(range(5000, 5000 + min(p, shared_prefix)))[:p]
+            r.prompt_token_ids = list(r.token_ids)
+            s.add(r)
     got = run_to_end(sched, model)
     assert got == run_to_end(ref, ref_model)
     for i, (_, m) in enumerate(workload):

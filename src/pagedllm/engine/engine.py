@@ -58,7 +58,8 @@ class Engine:
         self.tokenizer = tokenizer
         dtype = _DTYPES[config.dtype]
         num_blocks = num_blocks_for(config.model, config.cache, dtype)
-        self.kv_manager = KVCacheManager(num_blocks, config.cache.block_size)
+        self.kv_manager = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
+                                         config.cache.eviction_policy)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager)
         storage = KVCacheStorage.allocate(config.model, num_blocks, config.cache.block_size, dtype, config.device)
         backend = get_backend(attention_backend, config.device, config.model.head_dim)
@@ -77,8 +78,11 @@ class Engine:
                      kv_cache_memory: int | str = "512MiB", num_kv_blocks: int | None = None,
                      max_num_seqs: int = 64, max_num_batched_tokens: int = 1024,
                      max_model_len: int | None = None, seed: int = 0, device: str = "cpu",
-                     attention_backend: str = "auto") -> Engine:
-        cache = CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory, num_kv_blocks=num_kv_blocks)
+                     attention_backend: str = "auto", enable_prefix_caching: bool = True,
+                     eviction_policy: str = "lru") -> Engine:
+        """Load a model and build an engine; see ``LLM`` for what each option means."""
+        cache = CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory, num_kv_blocks=num_kv_blocks,
+                            enable_prefix_caching=enable_prefix_caching, eviction_policy=eviction_policy)
         if dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
         t0 = time.perf_counter()
@@ -107,9 +111,14 @@ class Engine:
         return engine
 
     # -- requests -------------------------------------------------------------------------------
-    def tokenize_prompt(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
-        """Normalise a prompt (text, token ids, or a {'prompt'|'prompt_token_ids'} dict)."""
+    def tokenize_prompt(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int], str | None]:
+        """Normalise a prompt (text, token ids, or a {'prompt'|'prompt_token_ids'[, 'cache_salt']} dict)
+        into (text, token ids, cache salt)."""
+        salt = None
         if isinstance(prompt, dict):
+            salt = prompt.get("cache_salt")
+            if salt is not None and not isinstance(salt, str):
+                raise InvalidRequest("cache_salt must be a string")
             if "prompt_token_ids" in prompt:
                 prompt = list(prompt["prompt_token_ids"])
             elif "prompt" in prompt:
@@ -131,7 +140,7 @@ class Engine:
         vocab = self.config.model.vocab_size
         if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
             raise InvalidRequest(f"prompt token ids must be integers in [0, {vocab})")
-        return text, ids
+        return text, ids, salt
 
     def add_request(self, request_id: str, prompt: str | list[int] | dict,
                     params: SamplingParams | None = None) -> Request:
@@ -143,7 +152,7 @@ class Engine:
             raise InvalidRequest("n > 1 (parallel sampling) is not supported yet; submit the prompt n times")
         if request_id in self._states:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
-        text, ids = self.tokenize_prompt(prompt)
+        text, ids, salt = self.tokenize_prompt(prompt)
         limit = self.config.scheduler.max_model_len
         max_tokens = params.max_tokens if params.max_tokens is not None else limit - len(ids)
         if len(ids) + max_tokens > limit:
@@ -157,7 +166,7 @@ class Engine:
                 f"{self.kv_manager.block_size}, more than the whole pool (num_kv_blocks={self.kv_manager.num_blocks})")
         seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_rng))
         req = Request(request_id, ids, params, max_tokens=max_tokens, eos_token_ids=self.eos_token_ids,
-                      sampling_seed=seed)
+                      sampling_seed=seed, cache_salt=salt)
         detok = None if self.tokenizer is None else IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
         self._states[request_id] = _OutputState(req, text, detok)
         self.scheduler.add(req)

@@ -38,12 +38,14 @@ class Request:
     max_tokens: int
     eos_token_ids: frozenset[int] = frozenset()
     sampling_seed: int = 0
+    cache_salt: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     output_token_ids: list[int] = field(default_factory=list)
     first_token_time: float | None = None
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
     token_ids: list[int] = field(init=False)
 
     def __post_init__(self) -> None:

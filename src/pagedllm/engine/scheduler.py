@@ -3,8 +3,10 @@
 Every step spends one token budget (``max_num_batched_tokens``): running requests first (oldest
 first), then waiting ones (FCFS) while there are sequence slots (``max_num_seqs``). A prompt that
 does not fit the budget is prefilled in chunks over several steps; prefill and decode share a
-step. When the KV pool runs out, the newest running request is preempted: its blocks are freed
-and it goes back to the front of the waiting queue, to be recomputed (prompt + tokens so far).
+step. When the KV pool runs out, a running request is preempted (the newest under the default ``lru``
+policy; see ``KVCacheManager.choose_victim``): its blocks are freed and it goes back to the front
+of the waiting queue, to be recomputed (prompt + tokens so far; the prefix cache usually still
+holds most of it).
 No torch here: the output is plain data (``SchedulerOutput``).
 
 Invariants: a request is in exactly one of ``waiting``/``running`` until it finishes; finished,
@@ -89,7 +91,8 @@ class Scheduler:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             while not self.kv.allocate_slots(req.request_id, req.num_computed_tokens + num_new):
-                victim = self.running.pop()
+                # only requests not yet scheduled in this step (index >= i) can be preempted
+                victim = self.running.pop(i + self.kv.choose_victim([r.request_id for r in self.running[i:]]))
                 self._preempt(victim)
                 out.preempted.append(victim.request_id)
                 if victim is req:
@@ -105,9 +108,15 @@ class Scheduler:
         if not out.preempted:
             while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 req = self.waiting[0]
-                num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-                if not self.kv.allocate_slots(req.request_id, req.num_computed_tokens + num_new):
+                cached = self.kv.cached_prefix(req.request_id, req.token_ids, req.cache_salt)
+                num_cached = len(cached) * self.kv.block_size
+                num_new = min(req.num_tokens - num_cached, budget)
+                if not self.kv.allocate_slots(req.request_id, num_cached + num_new, cached):
                     break
+                if req.num_preemptions == 0:  # count each prompt once, not its recomputations
+                    self.kv.record_prefix_query(req.num_tokens, num_cached)
+                req.num_computed_tokens = num_cached
+                req.num_cached_tokens = max(req.num_cached_tokens, num_cached)
                 self.waiting.popleft()
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
@@ -126,7 +135,7 @@ class Scheduler:
         )
 
     def _preempt(self, req: Request) -> None:
-        self.kv.free(req.request_id)
+        self.kv.free(req.request_id, keep_hashes=True)
         self.kv.record_preemption()
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
@@ -145,6 +154,7 @@ class Scheduler:
             if req is None or req.status.finished:
                 continue
             req.num_computed_tokens += chunk.num_tokens
+            self.kv.cache_full_blocks(req.request_id, req.token_ids, req.num_computed_tokens, req.cache_salt)
             token = sampled.get(chunk.request_id)
             if token is None:
                 continue

@@ -15,12 +15,18 @@ from collections.abc import Iterator
 class Block:
     """Bookkeeping of one physical KV block."""
 
-    __slots__ = ("block_id", "ref_count", "block_hash", "prev_free", "next_free")
+    __slots__ = ("block_id", "ref_count", "block_hash", "prev_free", "next_free", "uses", "last_use", "crf",
+                 "owner_size")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_count = 0
         self.block_hash: int | None = None
+        # usage history, read by the eviction policies
+        self.uses = 0          # allocations + prefix-cache hits
+        self.last_use = 0      # allocator clock at the latest use
+        self.crf = 0.0         # LRFU combined recency-frequency value as of last_use
+        self.owner_size = 1    # blocks held by the sequence that last freed it
         self.prev_free: Block | None = None
         self.next_free: Block | None = None
 

@@ -1,27 +1,44 @@
-"""KVCacheManager: the one facade between the scheduler and KV memory.
+"""KVCacheManager: the one facade between the scheduler and paged KV memory.
 
-Owns the ``BlockAllocator`` and one ``BlockTable`` per request. The scheduler asks it to reserve
-slots (``allocate_slots``), to release a request (``free``) and for block ids to hand to the
-model runner. Invariants (checked by ``check_invariants``): free + used == total; every block's
-ref count equals the number of block tables holding it.
+Owns the ``BlockAllocator`` (with its eviction policy), the ``PrefixCache`` and, per request, a
+``BlockTable`` plus the chained hashes of its full blocks. The scheduler asks it for the cached
+prefix of a request (``cached_prefix``), to reserve slots (``allocate_slots``), to register blocks
+that became full (``cache_full_blocks``) and to release a request (``free``).
+
+Invariants (``check_invariants``): free + used == total; every block's ref count equals the
+number of block tables holding it; every prefix-cache entry points at a block carrying its hash.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 
 from pagedllm.kvcache.allocator import BlockAllocator
+from pagedllm.kvcache.block import Block
 from pagedllm.kvcache.block_table import BlockTable
+from pagedllm.kvcache.hashing import extend_block_hashes
+from pagedllm.kvcache.prefix_cache import PrefixCache
 
 
 class KVCacheManager:
-    """Paged KV memory: blocks are reserved on demand, a block at a time."""
+    """Paged KV memory: blocks reserved on demand, full blocks shared through the prefix cache."""
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    layout = "paged"
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 eviction_policy: str = "lru") -> None:
         self.block_size = block_size
-        self.allocator = BlockAllocator(num_blocks)
+        self.enable_prefix_caching = enable_prefix_caching
+        self.allocator = BlockAllocator(num_blocks, eviction_policy)
+        self.prefix_cache = PrefixCache()
+        self.allocator.on_evict = self.prefix_cache.evict
         self.tables: dict[str, BlockTable] = {}
+        self._hashes: dict[str, list[int]] = {}
+        self._num_cached: dict[str, int] = {}  # full blocks of a request already registered
         self.num_preemptions = 0
+        self.prefix_cache_queries = 0  # prompt tokens looked up
+        self.prefix_cache_hits = 0     # of which were found cached
 
     @property
     def num_blocks(self) -> int:
@@ -34,44 +51,129 @@ class KVCacheManager:
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def allocate_slots(self, request_id: str, num_slots: int) -> bool:
-        """Make the request's table cover ``num_slots`` token slots. False if blocks run out."""
+    # -- prefix cache ----------------------------------------------------------------------------
+    def block_hashes(self, request_id: str, token_ids: Sequence[int], salt: str | None = None) -> list[int]:
+        hashes = self._hashes.setdefault(request_id, [])
+        extend_block_hashes(hashes, token_ids, self.block_size, (salt or "").encode())
+        return hashes
+
+    def cached_prefix(self, request_id: str, token_ids: Sequence[int], salt: str | None = None) -> list[Block]:
+        """Blocks holding the longest cached prefix of full blocks (no side effects).
+
+        At most ``(len(token_ids) - 1) // block_size`` blocks: one token is always computed, so the
+        step that admits the request produces logits.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        hashes = self.block_hashes(request_id, token_ids, salt)
+        out = []
+        for h in hashes[: (len(token_ids) - 1) // self.block_size]:
+            block = self.prefix_cache.get(h)
+            if block is None:
+                break
+            out.append(block)
+        return out
+
+    def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
+        self.prefix_cache_queries += num_tokens
+        self.prefix_cache_hits += num_hit_tokens
+
+    def cache_full_blocks(self, request_id: str, token_ids: Sequence[int], num_computed: int,
+                          salt: str | None = None) -> None:
+        """Register blocks that are now full of computed tokens in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        table = self.tables[request_id]
+        start = self._num_cached.get(request_id, 0)
+        end = min(num_computed // self.block_size, len(table.blocks))
+        if end <= start:
+            return
+        hashes = self.block_hashes(request_id, token_ids[: end * self.block_size], salt)
+        for i in range(start, end):
+            self.prefix_cache.insert(hashes[i], table.blocks[i])
+        self._num_cached[request_id] = end
+
+    # -- allocation -------------------------------------------------------------------------------
+    def allocate_slots(self, request_id: str, num_slots: int, cached: Sequence[Block] = ()) -> bool:
+        """Make the request's table cover ``num_slots`` slots, starting from ``cached`` blocks for a
+        request that holds none yet. False (and nothing changed) if the pool cannot supply them."""
         table = self.tables.get(request_id)
+        if cached and table is not None and table.blocks:
+            raise ValueError("cached prefix blocks can only start a request's block table")
+        held = len(table.blocks) if table is not None else 0
+        need = max(0, self.blocks_for_tokens(num_slots) - held - len(cached))
+        reclaimed = sum(1 for b in cached if b.ref_count == 0)  # free blocks a hit takes back
+        if need + reclaimed > self.allocator.num_free:
+            return False
         if table is None:
             table = self.tables[request_id] = BlockTable(self.block_size)
-        need = table.blocks_needed(num_slots)
-        if need > self.allocator.num_free:
-            if not table.blocks:
-                del self.tables[request_id]
-            return False
+        for block in cached:
+            self.allocator.touch(block)
+        if cached:
+            table.append_blocks(list(cached), len(cached) * self.block_size)
+            self._num_cached[request_id] = len(cached)
         table.append_blocks(self.allocator.allocate(need), num_slots)
         return True
 
     def block_ids(self, request_id: str) -> list[int]:
         return self.tables[request_id].block_ids
 
-    def free(self, request_id: str) -> None:
-        """Release every block of a request (no-op if it holds none)."""
+    def free(self, request_id: str, keep_hashes: bool = False) -> None:
+        """Release every block of a request (no-op if it holds none). Cached blocks keep their
+        hash and stay hittable until reused. ``keep_hashes`` for a request that will come back."""
         table = self.tables.pop(request_id, None)
+        self._num_cached.pop(request_id, None)
+        if not keep_hashes:
+            self._hashes.pop(request_id, None)
         if table is not None:
             self.allocator.free(table.blocks)
+
+    def choose_victim(self, request_ids: Sequence[str]) -> int:
+        """Index (into ``request_ids``, oldest first) of the request to preempt under the policy.
+
+        ``lru``: the newest (vLLM's choice: least work lost). ``lfu``: the one whose blocks are least
+        used (mean uses: prefix-cache hits raise it). ``lru-lfu``: lowest mean LRFU value of its blocks.
+        ``size-weighted``: lowest mean uses / blocks held (large, rarely used). Ties go to the newest.
+        """
+        policy = self.allocator.free_blocks.name
+        if policy == "lru" or len(request_ids) == 1:
+            return len(request_ids) - 1
+
+        def score(rid: str) -> float:
+            blocks = self.tables[rid].blocks if rid in self.tables else []
+            if not blocks:
+                return float("inf")
+            if policy == "lru-lfu":
+                return sum(b.crf for b in blocks) / len(blocks)
+            mean_uses = sum(b.uses for b in blocks) / len(blocks)
+            return mean_uses / len(blocks) if policy == "size-weighted" else mean_uses
+
+        scores = [score(r) for r in request_ids]
+        best = min(scores)
+        return max(i for i, sc in enumerate(scores) if sc == best)
 
     def record_preemption(self) -> None:
         self.num_preemptions += 1
 
+    # -- stats ------------------------------------------------------------------------------------
     def stats(self) -> dict[str, float | int]:
         total = self.num_blocks
         free = self.num_free_blocks
         reserved = sum(len(t.blocks) for t in self.tables.values()) * self.block_size
         filled = sum(t.num_slots for t in self.tables.values())
         return {
+            "kv_layout": self.layout,
             "num_blocks": total,
             "block_size": self.block_size,
             "num_free_blocks": free,
             "num_used_blocks": total - free,
             "usage": 1.0 - free / total,
             "fragmentation": (reserved - filled) / reserved if reserved else 0.0,
+            "num_cached_blocks": len(self.prefix_cache),
+            "prefix_cache_queries": self.prefix_cache_queries,
+            "prefix_cache_hits": self.prefix_cache_hits,
             "num_preemptions": self.num_preemptions,
+            "num_evictions": self.allocator.num_evictions,
         }
 
     def check_invariants(self) -> None:
@@ -83,6 +185,8 @@ class KVCacheManager:
             assert block.ref_count == holders.get(block.block_id, 0), (
                 f"block {block.block_id}: ref_count {block.ref_count} != holders "
                 f"{holders.get(block.block_id, 0)}")
-            assert (block.ref_count == 0) == (block in alloc.free_queue), f"{block} free-queue mismatch"
+            assert (block.ref_count == 0) == (block in alloc.free_blocks), f"{block} free-set mismatch"
+        for h, block in self.prefix_cache.map.items():
+            assert block.block_hash == h, f"cache entry {h:x} points at {block} with another hash"
         for t in self.tables.values():
             assert len(t.blocks) * self.block_size >= t.num_slots
