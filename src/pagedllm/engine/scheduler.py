@@ -84,7 +84,6 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        scheduled: set[str] = set()
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -96,14 +95,11 @@ class Scheduler:
                 self._preempt(victim)
                 out.preempted.append(victim.request_id)
                 if victim is req:
-                    break
+                    break  # running[i] is now the next request: it may still fit
             else:
                 out.chunks.append(self._chunk(req, num_new))
-                scheduled.add(req.request_id)
                 budget -= num_new
                 i += 1
-                continue
-            break  # the current request preempted itself: nothing newer is left to schedule
 
         if not out.preempted:
             while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
