@@ -97,8 +97,15 @@ class CacheConfig:
     num_kv_blocks: int | None = None
     enable_prefix_caching: bool = True
     eviction_policy: str = "lru"
+    kv_layout: str = "paged"
+    contiguous_reservation: str = "max_model_len"
 
     def __post_init__(self) -> None:
+        if self.kv_layout not in ("paged", "contiguous"):
+            raise ValueError(f"kv_layout must be 'paged' or 'contiguous', got {self.kv_layout!r}")
+        if self.contiguous_reservation not in ("max_model_len", "request"):
+            raise ValueError("contiguous_reservation must be 'max_model_len' or 'request', "
+                             f"got {self.contiguous_reservation!r}")
         from pagedllm.kvcache.eviction import POLICIES
 
         if self.eviction_policy not in POLICIES:

@@ -24,7 +24,8 @@ class LLM:
         """Options (all keyword, see docs/api.md): dtype="auto", block_size=16,
         kv_cache_memory="512MiB", num_kv_blocks=None, max_num_seqs=64, max_num_batched_tokens=1024,
         max_model_len=None, seed=0, device="cpu", attention_backend="auto",
-        enable_prefix_caching=True, eviction_policy="lru"."""
+        enable_prefix_caching=True, eviction_policy="lru", kv_layout="paged",
+        contiguous_reservation="max_model_len"."""
         self.engine = Engine.from_options(model=model, **engine_options)
 
     def get_tokenizer(self):

@@ -168,3 +168,13 @@ def test_parallel_sampling_is_refused_clearly_for_now(smollm_fp32):
     with pytest.raises(InvalidRequest, match="n > 1"):
         smollm_fp32.generate("hi", SamplingParams(n=2), use_tqdm=False)
     assert_all_free(smollm_fp32)
+
+
+@pytest.mark.parametrize("reservation", ["max_model_len", "request"])
+def test_contiguous_layout_gives_the_paged_outputs(batched_reference, reservation):
+    prompts, together = batched_reference
+    llm = LLM(dtype="float32", kv_layout="contiguous", contiguous_reservation=reservation,
+              max_model_len=256, num_kv_blocks=40)
+    assert llm.kv_cache_stats()["kv_layout"] == "contiguous"
+    assert token_ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == together
+    assert_all_free(llm)

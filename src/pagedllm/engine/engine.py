@@ -22,6 +22,7 @@ from pagedllm.engine.request import Request, RequestStatus
 from pagedllm.engine.sampling_params import SamplingParams
 from pagedllm.engine.scheduler import Scheduler
 from pagedllm.errors import InvalidRequest, RequestTooLong
+from pagedllm.kvcache.contiguous import ContiguousKVCacheManager
 from pagedllm.kvcache.manager import KVCacheManager
 from pagedllm.kvstore.storage import KVCacheStorage, num_blocks_for
 from pagedllm.models.llama import LlamaForCausalLM
@@ -58,8 +59,12 @@ class Engine:
         self.tokenizer = tokenizer
         dtype = _DTYPES[config.dtype]
         num_blocks = num_blocks_for(config.model, config.cache, dtype)
-        self.kv_manager = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
-                                         config.cache.eviction_policy)
+        cc = config.cache
+        if cc.kv_layout == "contiguous":
+            self.kv_manager = ContiguousKVCacheManager(num_blocks, cc.block_size, config.scheduler.max_model_len,
+                                                       cc.contiguous_reservation)
+        else:
+            self.kv_manager = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching, cc.eviction_policy)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager)
         storage = KVCacheStorage.allocate(config.model, num_blocks, config.cache.block_size, dtype, config.device)
         backend = get_backend(attention_backend, config.device, config.model.head_dim)
@@ -79,10 +84,13 @@ class Engine:
                      max_num_seqs: int = 64, max_num_batched_tokens: int = 1024,
                      max_model_len: int | None = None, seed: int = 0, device: str = "cpu",
                      attention_backend: str = "auto", enable_prefix_caching: bool = True,
-                     eviction_policy: str = "lru") -> Engine:
+                     eviction_policy: str = "lru", kv_layout: str = "paged",
+                     contiguous_reservation: str = "max_model_len") -> Engine:
         """Load a model and build an engine; see ``LLM`` for what each option means."""
         cache = CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory, num_kv_blocks=num_kv_blocks,
-                            enable_prefix_caching=enable_prefix_caching, eviction_policy=eviction_policy)
+                            enable_prefix_caching=enable_prefix_caching and kv_layout == "paged",
+                            eviction_policy=eviction_policy, kv_layout=kv_layout,
+                            contiguous_reservation=contiguous_reservation)
         if dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
         t0 = time.perf_counter()
@@ -159,11 +167,12 @@ class Engine:
             raise RequestTooLong(
                 f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) = {len(ids) + max_tokens} tokens "
                 f"exceeds max_model_len ({limit})")
-        need = self.kv_manager.blocks_for_tokens(len(ids) + max_tokens)
+        need = self.kv_manager.max_blocks_for_request(len(ids) + max_tokens)
         if need > self.kv_manager.num_blocks:
             raise RequestTooLong(
                 f"prompt + max_tokens = {len(ids) + max_tokens} tokens needs {need} KV blocks of "
-                f"{self.kv_manager.block_size}, more than the whole pool (num_kv_blocks={self.kv_manager.num_blocks})")
+                f"{self.kv_manager.block_size} ({self.kv_manager.layout} layout), more than the whole pool "
+                f"(num_kv_blocks={self.kv_manager.num_blocks})")
         seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_rng))
         req = Request(request_id, ids, params, max_tokens=max_tokens, eos_token_ids=self.eos_token_ids,
                       sampling_seed=seed, cache_salt=salt)

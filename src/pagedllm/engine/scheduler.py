@@ -107,7 +107,8 @@ class Scheduler:
                 cached = self.kv.cached_prefix(req.request_id, req.token_ids, req.cache_salt)
                 num_cached = len(cached) * self.kv.block_size
                 num_new = min(req.num_tokens - num_cached, budget)
-                if not self.kv.allocate_slots(req.request_id, num_cached + num_new, cached):
+                if not self.kv.allocate_slots(req.request_id, num_cached + num_new, cached,
+                                              max_total_tokens=req.num_prompt_tokens + req.max_tokens):
                     break
                 if req.num_preemptions == 0:  # count each prompt once, not its recomputations
                     self.kv.record_prefix_query(req.num_tokens, num_cached)

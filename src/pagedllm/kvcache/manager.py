@@ -51,6 +51,10 @@ class KVCacheManager:
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def max_blocks_for_request(self, max_total_tokens: int) -> int:
+        """Blocks a request of at most ``max_total_tokens`` tokens can come to hold."""
+        return self.blocks_for_tokens(max_total_tokens)
+
     # -- prefix cache ----------------------------------------------------------------------------
     def block_hashes(self, request_id: str, token_ids: Sequence[int], salt: str | None = None) -> list[int]:
         hashes = self._hashes.setdefault(request_id, [])
@@ -94,7 +98,8 @@ class KVCacheManager:
         self._num_cached[request_id] = end
 
     # -- allocation -------------------------------------------------------------------------------
-    def allocate_slots(self, request_id: str, num_slots: int, cached: Sequence[Block] = ()) -> bool:
+    def allocate_slots(self, request_id: str, num_slots: int, cached: Sequence[Block] = (),
+                       max_total_tokens: int | None = None) -> bool:
         """Make the request's table cover ``num_slots`` slots, starting from ``cached`` blocks for a
         request that holds none yet. False (and nothing changed) if the pool cannot supply them."""
         table = self.tables.get(request_id)

@@ -1,0 +1,131 @@
+"""ContiguousKVCacheManager: the "traditional" baseline that PagedAttention replaced.
+
+Each request reserves one contiguous run of slots up front, sized for the longest it could get
+(``max_model_len`` tokens, or with ``reservation="request"`` its own prompt + max_tokens), on
+the same block pool and block-table interface as the paged manager, so the engine, kernels and
+benchmarks are unchanged: only this object differs. Runs are placed first-fit, so the pool also
+suffers external fragmentation (free slots scattered between runs). No prefix sharing.
+Invariants: runs never overlap; free + reserved == total.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pagedllm.kvcache.block import Block
+from pagedllm.kvcache.block_table import BlockTable
+
+RESERVATIONS = ("max_model_len", "request")
+
+
+class ContiguousKVCacheManager:
+    """One contiguous max-length reservation per request, placed first-fit."""
+
+    layout = "contiguous"
+    enable_prefix_caching = False
+
+    def __init__(self, num_blocks: int, block_size: int, max_model_len: int,
+                 reservation: str = "max_model_len") -> None:
+        if reservation not in RESERVATIONS:
+            raise ValueError(f"contiguous reservation must be one of {RESERVATIONS}, got {reservation!r}")
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.reservation = reservation
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.used = bytearray(num_blocks)  # 1 where a block belongs to some reservation
+        self.tables: dict[str, BlockTable] = {}
+        self.num_preemptions = 0
+        self.num_admission_stalls = 0  # a reservation found no contiguous run
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.num_blocks - sum(self.used)
+
+    def blocks_for_tokens(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def max_blocks_for_request(self, max_total_tokens: int) -> int:
+        tokens = self.max_model_len if self.reservation == "max_model_len" else max_total_tokens
+        return self.blocks_for_tokens(tokens)
+
+    def cached_prefix(self, request_id: str, token_ids: Sequence[int], salt: str | None = None) -> list[Block]:
+        return []
+
+    def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
+        pass
+
+    def cache_full_blocks(self, *args, **kwargs) -> None:
+        pass
+
+    def _first_fit(self, n: int) -> int | None:
+        run = 0
+        for i, u in enumerate(self.used):
+            run = 0 if u else run + 1
+            if run == n:
+                return i - n + 1
+        return None
+
+    def allocate_slots(self, request_id: str, num_slots: int, cached: Sequence[Block] = (),
+                       max_total_tokens: int | None = None) -> bool:
+        table = self.tables.get(request_id)
+        if table is None:
+            n = self.max_blocks_for_request(max_total_tokens or num_slots)
+            start = self._first_fit(n)
+            if start is None:
+                self.num_admission_stalls += 1
+                return False
+            table = self.tables[request_id] = BlockTable(self.block_size)
+            for i in range(start, start + n):
+                self.used[i] = 1
+                self.blocks[i].ref_count = 1
+            table.append_blocks(self.blocks[start:start + n], 0)
+        if table.blocks_needed(num_slots):
+            raise ValueError(f"request {request_id} outgrew its contiguous reservation")
+        table.num_slots = max(table.num_slots, num_slots)
+        return True
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return self.tables[request_id].block_ids
+
+    def free(self, request_id: str, keep_hashes: bool = False) -> None:
+        table = self.tables.pop(request_id, None)
+        if table is not None:
+            for b in table.blocks:
+                self.used[b.block_id] = 0
+                b.ref_count = 0
+
+    def choose_victim(self, request_ids: Sequence[str]) -> int:
+        return len(request_ids) - 1
+
+    def record_preemption(self) -> None:
+        self.num_preemptions += 1
+
+    def stats(self) -> dict[str, float | int | str]:
+        total = self.num_blocks
+        free = self.num_free_blocks
+        reserved = sum(len(t.blocks) for t in self.tables.values()) * self.block_size
+        filled = sum(t.num_slots for t in self.tables.values())
+        return {
+            "kv_layout": self.layout, "num_blocks": total, "block_size": self.block_size,
+            "num_free_blocks": free, "num_used_blocks": total - free, "usage": 1.0 - free / total,
+            "fragmentation": (reserved - filled) / reserved if reserved else 0.0,
+            "num_cached_blocks": 0, "prefix_cache_queries": 0, "prefix_cache_hits": 0,
+            "num_preemptions": self.num_preemptions, "num_evictions": 0,
+            "num_admission_stalls": self.num_admission_stalls,
+        }
+
+    def check_invariants(self) -> None:
+        owner: dict[int, str] = {}
+        for rid, t in self.tables.items():
+            ids = t.block_ids
+            assert ids == list(range(ids[0], ids[0] + len(ids))), f"{rid}'s reservation is not contiguous"
+            for i in ids:
+                assert i not in owner, f"block {i} reserved by {owner[i]} and {rid}"
+                owner[i] = rid
+        assert sum(self.used) == len(owner)
+        for b in self.blocks:
+            assert b.ref_count == (1 if b.block_id in owner else 0)
