@@ -26,6 +26,10 @@ class FakePagedModel:
 
     def run(self, out: SchedulerOutput) -> dict[str, int]:
         bs = self.block_size
+        for src, dst in out.copies:  # copy-on-write: whole blocks, before any write
+            for off in range(bs):
+                if src * bs + off in self.slots:
+                    self.slots[dst * bs + off] = self.slots[src * bs + off]
         sampled = {}
         for c in out.chunks:
             for i, tok in enumerate(c.token_ids):
@@ -37,6 +41,8 @@ class FakePagedModel:
                 for t in ctx:
                     h = (h * 1_000_003 + t) % 997
                 sampled[c.request_id] = 3 + h  # never 0..2 (2 is EOS here)
+                for i, fid in enumerate(c.fork_ids):  # siblings: a different draw from the same context
+                    sampled[fid] = 3 + (h + 101 * (i + 1)) % 997
         return sampled
 
 

@@ -36,10 +36,10 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 @dataclass
 class _OutputState:
-    """Per-request output bookkeeping: the prompt text and the detokenized completion."""
+    """Per-sequence output bookkeeping: the detokenized completion and how it finished."""
 
     request: Request
-    prompt: str | None
+    index: int
     detok: IncrementalDetokenizer | None
     text: str = ""
     finish_reason: str | None = None
@@ -48,6 +48,25 @@ class _OutputState:
 
     def __post_init__(self) -> None:
         self.max_stop_len = max((len(s) for s in self.request.sampling_params.stop_strings), default=0)
+
+    def completion(self) -> CompletionOutput:
+        return CompletionOutput(self.index, self.text, list(self.request.output_token_ids), self.finish_reason,
+                                self.stop_reason)
+
+
+@dataclass
+class _Group:
+    """One user request: its prompt and its n sequences (n > 1 for parallel sampling)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    seqs: list[_OutputState]
+    arrival_time: float
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.seqs)
 
 
 class Engine:
@@ -73,7 +92,8 @@ class Engine:
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
-        self._states: dict[str, _OutputState] = {}
+        self._groups: dict[str, _Group] = {}        # user request id -> its sequences
+        self._seq_group: dict[str, _Group] = {}     # live sequence id -> its group
         self._counter = itertools.count()
         self._seed_rng = torch.Generator().manual_seed(config.seed)
 
@@ -156,9 +176,7 @@ class Engine:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidRequest(f"sampling params must be SamplingParams, got {type(params).__name__}")
-        if params.n != 1:
-            raise InvalidRequest("n > 1 (parallel sampling) is not supported yet; submit the prompt n times")
-        if request_id in self._states:
+        if request_id in self._groups:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
         text, ids, salt = self.tokenize_prompt(prompt)
         limit = self.config.scheduler.max_model_len
@@ -173,24 +191,39 @@ class Engine:
                 f"prompt + max_tokens = {len(ids) + max_tokens} tokens needs {need} KV blocks of "
                 f"{self.kv_manager.block_size} ({self.kv_manager.layout} layout), more than the whole pool "
                 f"(num_kv_blocks={self.kv_manager.num_blocks})")
-        seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_rng))
-        req = Request(request_id, ids, params, max_tokens=max_tokens, eos_token_ids=self.eos_token_ids,
-                      sampling_seed=seed, cache_salt=salt)
-        detok = None if self.tokenizer is None else IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
-        self._states[request_id] = _OutputState(req, text, detok)
-        self.scheduler.add(req)
-        return req
+        seqs = []
+        for i in range(params.n):
+            seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            if params.seed is not None:  # sibling i draws from its own stream derived from the seed
+                seed = params.seed if i == 0 else (params.seed * 1_000_003 + i) % 2**63
+            else:
+                seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_rng))
+            req = Request(seq_id, ids, params, max_tokens=max_tokens, eos_token_ids=self.eos_token_ids,
+                          sampling_seed=seed, cache_salt=salt)
+            detok = None if self.tokenizer is None else IncrementalDetokenizer(self.tokenizer,
+                                                                                params.skip_special_tokens)
+            seqs.append(_OutputState(req, i, detok))
+        group = _Group(request_id, text, ids, seqs, seqs[0].request.arrival_time)
+        self.scheduler.add(seqs[0].request, [s.request for s in seqs[1:]])
+        self._groups[request_id] = group
+        for s in seqs:
+            self._seq_group[s.request.request_id] = group
+        return seqs[0].request
 
     def new_request_id(self) -> str:
         return str(next(self._counter))
 
     def abort(self, request_id: str) -> bool:
-        """Drop a request wherever it is; its blocks are freed. False if unknown or finished."""
-        state = self._states.pop(request_id, None)
-        if state is None:
+        """Drop a request (all its sequences) wherever it is; its blocks are freed.
+        False if unknown or already finished."""
+        group = self._groups.pop(request_id, None)
+        if group is None:
             return False
-        self.scheduler.finish(request_id, RequestStatus.FINISHED_ABORTED)
-        self.runner.release(request_id)
+        for s in group.seqs:
+            rid = s.request.request_id
+            self.scheduler.finish(rid, RequestStatus.FINISHED_ABORTED)
+            self.runner.release(rid)
+            self._seq_group.pop(rid, None)
         return True
 
     def has_unfinished(self) -> bool:
@@ -204,10 +237,19 @@ class Engine:
             return []
         sampled = self.runner.execute(sched_out, self.scheduler.requests)
         progressed = self.scheduler.update(sched_out, sampled)
-        return [self._process(req) for req in progressed]
+        groups: dict[str, _Group] = {}
+        for req in progressed:
+            group = self._seq_group.get(req.request_id)
+            if group is not None:
+                self._process(group.seqs[self._seq_index(group, req)], req)
+                groups[group.request_id] = group
+        return [self._output(g) for g in groups.values()]
 
-    def _process(self, req: Request) -> RequestOutput:
-        state = self._states[req.request_id]
+    @staticmethod
+    def _seq_index(group: _Group, req: Request) -> int:
+        return next(i for i, s in enumerate(group.seqs) if s.request is req)
+
+    def _process(self, state: _OutputState, req: Request) -> None:
         token = req.output_token_ids[-1]
         if state.detok is not None:
             delta = state.detok.add(token)
@@ -218,15 +260,19 @@ class Engine:
             state.finish_reason = req.status.value
             if req.status is RequestStatus.FINISHED_STOPPED:
                 state.stop_reason = None if token in self.eos_token_ids else token
-        finished = state.finish_reason is not None
-        if finished:
-            self._states.pop(req.request_id, None)
+        if state.finish_reason is not None:
             self.runner.release(req.request_id)
-        completion = CompletionOutput(0, state.text, list(req.output_token_ids), state.finish_reason,
-                                      state.stop_reason)
-        metrics = RequestMetrics(req.arrival_time, req.first_token_time,
-                                 time.monotonic() if finished else None, req.num_preemptions)
-        return RequestOutput(req.request_id, state.prompt, req.prompt_token_ids, [completion], finished, metrics)
+            self._seq_group.pop(req.request_id, None)
+
+    def _output(self, group: _Group) -> RequestOutput:
+        finished = group.finished
+        if finished:
+            self._groups.pop(group.request_id, None)
+        first = min((s.request.first_token_time for s in group.seqs if s.request.first_token_time), default=None)
+        metrics = RequestMetrics(group.arrival_time, first, time.monotonic() if finished else None,
+                                 sum(s.request.num_preemptions for s in group.seqs))
+        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids,
+                             [s.completion() for s in group.seqs], finished, metrics)
 
     def _check_stop_strings(self, state: _OutputState, delta_len: int) -> None:
         params = state.request.sampling_params

@@ -65,7 +65,7 @@ class ModelRunner:
         g = self._generators.get(req.request_id)
         if g is None:
             g = torch.Generator(device=self.device)
-            g.manual_seed(req.sampling_params.seed if req.sampling_params.seed is not None else req.sampling_seed)
+            g.manual_seed(req.sampling_seed)
             self._generators[req.request_id] = g
         return g
 
@@ -74,15 +74,20 @@ class ModelRunner:
 
     def execute(self, out: SchedulerOutput, requests: dict[str, Request]) -> dict[str, int]:
         """Run one step; returns the sampled token of every chunk that samples."""
+        if out.copies:
+            self.kv.copy_blocks(out.copies)
         chunks = sorted(out.chunks, key=lambda c: c.num_tokens != 1)  # stable: decodes first
         input_ids, positions, meta = build_metadata(chunks, self.kv.block_size, self.device)
         hidden = self.model(input_ids, positions, meta, self.kv, self.backend)
-        sampling = [(i, c) for i, c in enumerate(chunks) if c.sample]
-        if not sampling:
+        # one logits row per sampling chunk; parallel-sampling siblings draw from the same row
+        rows, reqs = [], []
+        for i, c in enumerate(chunks):
+            if c.sample:
+                for rid in (c.request_id, *c.fork_ids):
+                    rows.append(meta.query_start_loc_list[i + 1] - 1)
+                    reqs.append(requests[rid])
+        if not rows:
             return {}
-        rows = torch.tensor([meta.query_start_loc_list[i + 1] - 1 for i, _ in sampling], device=self.device)
-        logits = self.model.compute_logits(hidden[rows])
-        reqs = [requests[c.request_id] for _, c in sampling]
-        tokens = self.sampler.sample(logits, [r.sampling_params for r in reqs],
-                                     [self._generator(r) for r in reqs])
-        return {c.request_id: tok for (_, c), tok in zip(sampling, tokens, strict=True)}
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        tokens = self.sampler.sample(logits, [r.sampling_params for r in reqs], [self._generator(r) for r in reqs])
+        return {r.request_id: tok for r, tok in zip(reqs, tokens, strict=True)}

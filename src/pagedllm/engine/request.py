@@ -46,6 +46,9 @@ class Request:
     first_token_time: float | None = None
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
+    # parallel sampling (n > 1): siblings that fork from this request when its prompt is computed
+    pending_forks: list[Request] = field(default_factory=list)
+    parent_id: str | None = None
     token_ids: list[int] = field(init=False)
 
     def __post_init__(self) -> None:

@@ -32,6 +32,7 @@ class ScheduledChunk:
     start_pos: int
     block_ids: list[int]
     sample: bool  # the chunk reaches the end of the known tokens: sample the next one
+    fork_ids: list[str] = field(default_factory=list)  # siblings sampled from the same logits
 
     @property
     def num_tokens(self) -> int:
@@ -46,6 +47,7 @@ class ScheduledChunk:
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) blocks, before any write
 
     @property
     def num_batched_tokens(self) -> int:
@@ -67,10 +69,17 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
 
     # -- admission -------------------------------------------------------------------------
-    def add(self, request: Request) -> None:
-        if request.request_id in self.requests:
-            raise ValueError(f"request id {request.request_id!r} is already in use")
+    def add(self, request: Request, forks: list[Request] = ()) -> None:
+        """Queue a request; ``forks`` are its parallel-sampling siblings, which share its prompt's
+        blocks: they start running when the request's prompt has been computed."""
+        for r in (request, *forks):
+            if r.request_id in self.requests:
+                raise ValueError(f"request id {r.request_id!r} is already in use")
         self.requests[request.request_id] = request
+        for f in forks:
+            f.parent_id = request.request_id
+            self.requests[f.request_id] = f
+        request.pending_forks = list(forks)
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
@@ -89,7 +98,8 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            while not self.kv.allocate_slots(req.request_id, req.num_computed_tokens + num_new):
+            while not self.kv.allocate_slots(req.request_id, req.num_computed_tokens + num_new,
+                                             num_computed=req.num_computed_tokens):
                 # only requests not yet scheduled in this step (index >= i) can be preempted
                 victim = self.running.pop(i + self.kv.choose_victim([r.request_id for r in self.running[i:]]))
                 self._preempt(victim)
@@ -119,6 +129,7 @@ class Scheduler:
                 self.running.append(req)
                 out.chunks.append(self._chunk(req, num_new))
                 budget -= num_new
+        out.copies = self.kv.take_copies()
         return out
 
     def _chunk(self, req: Request, num_new: int) -> ScheduledChunk:
@@ -129,6 +140,7 @@ class Scheduler:
             start_pos=start,
             block_ids=self.kv.block_ids(req.request_id),
             sample=start + num_new == req.num_tokens,
+            fork_ids=[f.request_id for f in req.pending_forks] if start + num_new == req.num_tokens else [],
         )
 
     def _preempt(self, req: Request) -> None:
@@ -156,17 +168,39 @@ class Scheduler:
             if token is None:
                 continue
             req.append_output(token)
+            for fid in chunk.fork_ids:
+                fork = self.requests.get(fid)
+                if fork is not None and fid in sampled:
+                    progressed.append(self._start_fork(req, fork, sampled[fid]))
+            req.pending_forks = [f for f in req.pending_forks if f.request_id not in chunk.fork_ids]
             status = req.check_stop(self.config.max_model_len)
             if status is not None:
                 self.finish(req.request_id, status)
             progressed.append(req)
         return progressed
 
+    def _start_fork(self, parent: Request, fork: Request, token: int) -> Request:
+        """A sibling takes the parent's computed prompt blocks (shared) and its own first token."""
+        if self.kv.fork(parent.request_id, fork.request_id, parent.num_computed_tokens):
+            fork.num_computed_tokens = parent.num_computed_tokens
+            fork.status = RequestStatus.RUNNING
+            self.running.append(fork)
+        else:  # no room to fork (contiguous layout): recompute it from the waiting queue
+            fork.status = RequestStatus.PREEMPTED
+            self.waiting.appendleft(fork)
+        fork.append_output(token)
+        status = fork.check_stop(self.config.max_model_len)
+        if status is not None:
+            self.finish(fork.request_id, status)
+        return fork
+
     def finish(self, request_id: str, status: RequestStatus) -> Request | None:
         """Finish (or abort) a request wherever it is and free its blocks. Idempotent."""
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
+        if req.parent_id is not None and (parent := self.requests.get(req.parent_id)) is not None:
+            parent.pending_forks = [f for f in parent.pending_forks if f is not req]
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:

@@ -36,6 +36,8 @@ class ContiguousKVCacheManager:
         self.tables: dict[str, BlockTable] = {}
         self.num_preemptions = 0
         self.num_admission_stalls = 0  # a reservation found no contiguous run
+        self.num_cow_copies = 0
+        self._pending_copies: list[tuple[int, int]] = []
 
     @property
     def num_blocks(self) -> int:
@@ -70,7 +72,7 @@ class ContiguousKVCacheManager:
         return None
 
     def allocate_slots(self, request_id: str, num_slots: int, cached: Sequence[Block] = (),
-                       max_total_tokens: int | None = None) -> bool:
+                       max_total_tokens: int | None = None, num_computed: int | None = None) -> bool:
         table = self.tables.get(request_id)
         if table is None:
             n = self.max_blocks_for_request(max_total_tokens or num_slots)
@@ -87,6 +89,29 @@ class ContiguousKVCacheManager:
             raise ValueError(f"request {request_id} outgrew its contiguous reservation")
         table.num_slots = max(table.num_slots, num_slots)
         return True
+
+    def fork(self, parent_id: str, child_id: str, num_computed: int) -> bool:
+        """No sharing here: the child gets its own reservation and a copy of the parent's blocks.
+        False if no contiguous run is free (the child then recomputes from the waiting queue)."""
+        parent = self.tables[parent_id]
+        n = len(parent.blocks)
+        start = self._first_fit(n)
+        if start is None:
+            self.num_admission_stalls += 1
+            return False
+        table = self.tables[child_id] = BlockTable(self.block_size)
+        for i in range(start, start + n):
+            self.used[i] = 1
+            self.blocks[i].ref_count = 1
+        table.append_blocks(self.blocks[start:start + n], num_computed)
+        used = self.blocks_for_tokens(num_computed)
+        self._pending_copies.extend(zip(parent.block_ids[:used], table.block_ids[:used], strict=True))
+        self.num_cow_copies += used
+        return True
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        copies, self._pending_copies = self._pending_copies, []
+        return copies
 
     def block_ids(self, request_id: str) -> list[int]:
         return self.tables[request_id].block_ids
@@ -115,7 +140,7 @@ class ContiguousKVCacheManager:
             "fragmentation": (reserved - filled) / reserved if reserved else 0.0,
             "num_cached_blocks": 0, "prefix_cache_queries": 0, "prefix_cache_hits": 0,
             "num_preemptions": self.num_preemptions, "num_evictions": 0,
-            "num_admission_stalls": self.num_admission_stalls,
+            "num_admission_stalls": self.num_admission_stalls, "num_cow_copies": self.num_cow_copies,
         }
 
     def check_invariants(self) -> None:

@@ -39,6 +39,8 @@ class KVCacheManager:
         self.num_preemptions = 0
         self.prefix_cache_queries = 0  # prompt tokens looked up
         self.prefix_cache_hits = 0     # of which were found cached
+        self.num_cow_copies = 0
+        self._pending_copies: list[tuple[int, int]] = []  # (src, dst) block copies for the runner
 
     @property
     def num_blocks(self) -> int:
@@ -99,16 +101,25 @@ class KVCacheManager:
 
     # -- allocation -------------------------------------------------------------------------------
     def allocate_slots(self, request_id: str, num_slots: int, cached: Sequence[Block] = (),
-                       max_total_tokens: int | None = None) -> bool:
+                       max_total_tokens: int | None = None, num_computed: int | None = None) -> bool:
         """Make the request's table cover ``num_slots`` slots, starting from ``cached`` blocks for a
-        request that holds none yet. False (and nothing changed) if the pool cannot supply them."""
+        request that holds none yet. False (and nothing changed) if the pool cannot supply them.
+
+        ``num_computed``: the first position this step writes. If it falls inside a block that
+        other sequences share (after a fork), that block is copied first (copy-on-write).
+        """
         table = self.tables.get(request_id)
         if cached and table is not None and table.blocks:
             raise ValueError("cached prefix blocks can only start a request's block table")
         held = len(table.blocks) if table is not None else 0
         need = max(0, self.blocks_for_tokens(num_slots) - held - len(cached))
         reclaimed = sum(1 for b in cached if b.ref_count == 0)  # free blocks a hit takes back
-        if need + reclaimed > self.allocator.num_free:
+        cow = -1
+        if table is not None and num_computed is not None and num_computed % self.block_size:
+            idx = num_computed // self.block_size
+            if idx < held and table.blocks[idx].ref_count > 1:
+                cow = idx
+        if need + reclaimed + (cow >= 0) > self.allocator.num_free:
             return False
         if table is None:
             table = self.tables[request_id] = BlockTable(self.block_size)
@@ -117,8 +128,33 @@ class KVCacheManager:
         if cached:
             table.append_blocks(list(cached), len(cached) * self.block_size)
             self._num_cached[request_id] = len(cached)
+        if cow >= 0:
+            shared = table.blocks[cow]
+            (copy,) = self.allocator.allocate(1)
+            table.blocks[cow] = copy
+            self.allocator.decref(shared)
+            self._pending_copies.append((shared.block_id, copy.block_id))
+            self.num_cow_copies += 1
         table.append_blocks(self.allocator.allocate(need), num_slots)
         return True
+
+    def fork(self, parent_id: str, child_id: str, num_computed: int) -> bool:
+        """Give ``child_id`` the parent's blocks (shared, ref counted) for its first ``num_computed``
+        tokens. Shared blocks are copied only when one of the sequences writes into them."""
+        parent = self.tables[parent_id]
+        child = self.tables[child_id] = BlockTable(self.block_size)
+        child.append_blocks(list(parent.blocks), parent.num_slots)
+        for block in child.blocks:
+            self.allocator.incref(block)
+        full = num_computed // self.block_size
+        self._num_cached[child_id] = min(self._num_cached.get(parent_id, 0), full)
+        self._hashes[child_id] = self._hashes.get(parent_id, [])[:full]
+        return True
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """Block copies (src, dst) the data plane must perform before this step's writes."""
+        copies, self._pending_copies = self._pending_copies, []
+        return copies
 
     def block_ids(self, request_id: str) -> list[int]:
         return self.tables[request_id].block_ids
@@ -179,6 +215,7 @@ class KVCacheManager:
             "prefix_cache_hits": self.prefix_cache_hits,
             "num_preemptions": self.num_preemptions,
             "num_evictions": self.allocator.num_evictions,
+            "num_cow_copies": self.num_cow_copies,
         }
 
     def check_invariants(self) -> None:

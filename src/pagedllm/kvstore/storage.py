@@ -49,6 +49,13 @@ class KVCacheStorage:
         vs = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(model.num_layers)]
         return cls(ks, vs, block_size)
 
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy whole blocks (src -> dst) in every layer: copy-on-write after a fork."""
+        src = torch.tensor([c[0] for c in copies], device=self.k_caches[0].device)
+        dst = torch.tensor([c[1] for c in copies], device=self.k_caches[0].device)
+        for cache in (*self.k_caches, *self.v_caches):
+            cache.index_copy_(0, dst, cache.index_select(0, src))
+
     @property
     def num_blocks(self) -> int:
         return self.k_caches[0].shape[0]
