@@ -99,6 +99,7 @@ class CacheConfig:
     eviction_policy: str = "lru"
     kv_layout: str = "paged"
     contiguous_reservation: str = "max_model_len"
+    swap_space: int | str = "256MiB"  # host tier for preemption_mode="swap"
 
     def __post_init__(self) -> None:
         if self.kv_layout not in ("paged", "contiguous"):
@@ -121,6 +122,7 @@ class CacheConfig:
                 or self.num_kv_blocks < 1):
             raise ValueError(f"num_kv_blocks must be a positive integer, got {self.num_kv_blocks!r}")
         parse_bytes(self.kv_cache_memory)
+        parse_bytes(self.swap_space, "swap_space")
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -134,8 +136,11 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024
     max_model_len: int = 2048
+    preemption_mode: str = "recompute"
 
     def __post_init__(self) -> None:
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:

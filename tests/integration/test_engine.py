@@ -37,12 +37,19 @@ def test_one_at_a_time_equals_all_together(smollm_fp32, batched_reference):
 
 
 @pytest.mark.slow
-def test_tiny_pool_preempts_and_still_gives_identical_outputs(batched_reference):
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_tiny_pool_preempts_and_still_gives_identical_outputs(batched_reference, mode):
     prompts, together = batched_reference
     # 12 blocks of 16 tokens = 192 slots for 8 requests of up to 121 tokens: preemption is certain
-    small = LLM(dtype="float32", num_kv_blocks=12, max_num_batched_tokens=64)
+    small = LLM(dtype="float32", num_kv_blocks=12, max_num_batched_tokens=64, preemption_mode=mode,
+                swap_space="32MiB")
     outs = small.generate(prompts, GREEDY, use_tqdm=False)
-    assert small.kv_cache_stats()["num_preemptions"] > 0
+    stats = small.kv_cache_stats()
+    assert stats["num_preemptions"] > 0
+    if mode == "swap":
+        assert stats["num_swapped_out_blocks"] > 0
+        assert stats["num_swapped_in_blocks"] == stats["num_swapped_out_blocks"]
+        assert stats["swap_in_copy_seconds"] > 0
     assert token_ids(outs) == together
     assert sum(o.metrics.num_preemptions for o in outs) == small.kv_cache_stats()["num_preemptions"]
     assert_all_free(small)

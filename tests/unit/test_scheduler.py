@@ -23,9 +23,13 @@ class FakePagedModel:
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
         self.slots: dict[int, int] = {}
+        self.host: dict[int, int] = {}  # host-tier slots
 
     def run(self, out: SchedulerOutput) -> dict[str, int]:
         bs = self.block_size
+        for src, dst, frm, to in ([*p, self.slots, self.host] for p in out.swap_out):
+            for off in range(bs):
+                to[dst * bs + off] = frm.get(src * bs + off, -1)
         for src, dst in out.copies:  # copy-on-write: whole blocks, before any write
             for off in range(bs):
                 if src * bs + off in self.slots:
@@ -43,12 +47,19 @@ class FakePagedModel:
                 sampled[c.request_id] = 3 + h  # never 0..2 (2 is EOS here)
                 for i, fid in enumerate(c.fork_ids):  # siblings: a different draw from the same context
                     sampled[fid] = 3 + (h + 101 * (i + 1)) % 997
+        for src, dst in out.swap_in:  # prefetched for the next step: after this step's reads
+            for off in range(bs):
+                self.slots[dst * bs + off] = self.host.get(src * bs + off, -1)
         return sampled
 
 
-def make(num_blocks=64, block_size=8, max_num_seqs=8, budget=32, max_model_len=512, policy="lru", caching=True):
-    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=caching, eviction_policy=policy)
-    return Scheduler(SchedulerConfig(max_num_seqs, budget, max_model_len), kv), FakePagedModel(block_size)
+def make(num_blocks=64, block_size=8, max_num_seqs=8, budget=32, max_model_len=512, policy="lru", caching=True,
+         swap_blocks=0):
+    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=caching, eviction_policy=policy,
+                        num_host_blocks=swap_blocks)
+    mode = "swap" if swap_blocks else "recompute"
+    return (Scheduler(SchedulerConfig(max_num_seqs, budget, max_model_len, preemption_mode=mode), kv),
+            FakePagedModel(block_size))
 
 
 def req(rid, prompt_len, max_tokens, first=10):
@@ -182,3 +193,39 @@ def test_random_workloads_finish_with_the_same_tokens_as_an_unconstrained_run(
     assert got == run_to_end(ref, ref_model)
     for i, (_, m) in enumerate(workload):
         assert len(got[str(i)]) == m
+
+
+def test_swap_preemption_moves_blocks_to_the_host_and_back_with_the_same_outputs():
+    sched, model = make(num_blocks=6, block_size=8, budget=64, swap_blocks=16)
+    ref, ref_model = make(num_blocks=64, block_size=8, budget=64)
+    for s in (sched, ref):
+        for rid in "abc":
+            s.add(req(rid, 16, 16, first=10 + ord(rid)))
+    saw_swapped = False
+    outputs = {}
+    while sched.has_unfinished():
+        out = sched.schedule()
+        saw_swapped |= bool(sched.swapped)
+        if out.swap_in:
+            # a request coming back is not computed in the step that prefetches it
+            back = {sched.kv.tables[r].block_ids[0] for r in sched.kv.tables}
+            assert all(c.block_ids[0] in back for c in out.chunks)
+        for r in sched.update(out, model.run(out)):
+            if r.status.finished:
+                outputs[r.request_id] = r.output_token_ids
+        sched.kv.check_invariants()
+    stats = sched.kv.stats()
+    assert saw_swapped and stats["num_swapped_out_blocks"] > 0
+    assert stats["num_swapped_out_blocks"] == stats["num_swapped_in_blocks"]
+    assert outputs == run_to_end(ref, ref_model)
+    sched.schedule()
+    assert sched.kv.host.num_free == 16
+
+
+def test_swap_falls_back_to_recompute_when_the_host_tier_is_full():
+    sched, model = make(num_blocks=6, block_size=8, budget=64, swap_blocks=1)
+    for rid in "abc":
+        sched.add(req(rid, 16, 16, first=10 + ord(rid)))
+    outputs = run_to_end(sched, model)
+    assert len(outputs) == 3 and sched.kv.num_preemptions > 0
+    assert sched.kv.stats()["num_swapped_out_blocks"] == 0

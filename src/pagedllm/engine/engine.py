@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedllm.attention.backends import get_backend
-from pagedllm.config import CacheConfig, EngineConfig, SchedulerConfig
+from pagedllm.config import CacheConfig, EngineConfig, SchedulerConfig, parse_bytes
 from pagedllm.engine.model_runner import ModelRunner
 from pagedllm.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagedllm.engine.request import Request, RequestStatus
@@ -24,7 +24,8 @@ from pagedllm.engine.scheduler import Scheduler
 from pagedllm.errors import InvalidRequest, RequestTooLong
 from pagedllm.kvcache.contiguous import ContiguousKVCacheManager
 from pagedllm.kvcache.manager import KVCacheManager
-from pagedllm.kvstore.storage import KVCacheStorage, num_blocks_for
+from pagedllm.kvstore.host_tier import HostTier
+from pagedllm.kvstore.storage import KVCacheStorage, bytes_per_block, num_blocks_for
 from pagedllm.models.llama import LlamaForCausalLM
 from pagedllm.models.loader import load_weights, resolve_dtype, resolve_model_path
 from pagedllm.models.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -79,15 +80,20 @@ class Engine:
         dtype = _DTYPES[config.dtype]
         num_blocks = num_blocks_for(config.model, config.cache, dtype)
         cc = config.cache
+        swapping = config.scheduler.preemption_mode == "swap" and cc.kv_layout == "paged"
+        num_host_blocks = parse_bytes(cc.swap_space, "swap_space") // bytes_per_block(
+            config.model, cc.block_size, dtype) if swapping else 0
         if cc.kv_layout == "contiguous":
             self.kv_manager = ContiguousKVCacheManager(num_blocks, cc.block_size, config.scheduler.max_model_len,
                                                        cc.contiguous_reservation)
         else:
-            self.kv_manager = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching, cc.eviction_policy)
+            self.kv_manager = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching, cc.eviction_policy,
+                                             num_host_blocks)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager)
         storage = KVCacheStorage.allocate(config.model, num_blocks, config.cache.block_size, dtype, config.device)
         backend = get_backend(attention_backend, config.device, config.model.head_dim)
-        self.runner = ModelRunner(model, storage, backend, torch.device(config.device))
+        host = HostTier(storage, num_host_blocks) if num_host_blocks else None
+        self.runner = ModelRunner(model, storage, backend, torch.device(config.device), host)
         eos = set(config.model.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
@@ -105,12 +111,13 @@ class Engine:
                      max_model_len: int | None = None, seed: int = 0, device: str = "cpu",
                      attention_backend: str = "auto", enable_prefix_caching: bool = True,
                      eviction_policy: str = "lru", kv_layout: str = "paged",
-                     contiguous_reservation: str = "max_model_len") -> Engine:
+                     contiguous_reservation: str = "max_model_len", preemption_mode: str = "recompute",
+                     swap_space: int | str = "256MiB") -> Engine:
         """Load a model and build an engine; see ``LLM`` for what each option means."""
         cache = CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory, num_kv_blocks=num_kv_blocks,
                             enable_prefix_caching=enable_prefix_caching and kv_layout == "paged",
                             eviction_policy=eviction_policy, kv_layout=kv_layout,
-                            contiguous_reservation=contiguous_reservation)
+                            contiguous_reservation=contiguous_reservation, swap_space=swap_space)
         if dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
         t0 = time.perf_counter()
@@ -123,7 +130,7 @@ class Engine:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's context length "
                              f"({mcfg.max_position_embeddings})")
         sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                max_model_len=max_model_len)
+                                max_model_len=max_model_len, preemption_mode=preemption_mode)
         config = EngineConfig(model=mcfg, cache=cache, scheduler=sched, dtype=resolve_dtype(dtype, device),
                               device=device, seed=seed)
         with torch.device("meta"):
@@ -287,4 +294,7 @@ class Engine:
 
     # -- introspection --------------------------------------------------------------------------
     def kv_cache_stats(self) -> dict[str, float | int]:
-        return self.kv_manager.stats()
+        stats = self.kv_manager.stats()
+        if self.runner.host is not None:
+            stats.update(self.runner.host.stats())
+        return stats

@@ -14,6 +14,7 @@ from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.engine.request import Request
 from pagedllm.engine.sampler import Sampler
 from pagedllm.engine.scheduler import ScheduledChunk, SchedulerOutput
+from pagedllm.kvstore.host_tier import HostTier
 from pagedllm.kvstore.storage import KVCacheStorage
 from pagedllm.models.llama import LlamaForCausalLM
 
@@ -51,9 +52,11 @@ def build_metadata(chunks: list[ScheduledChunk], block_size: int, device: torch.
 class ModelRunner:
     """Executes scheduled steps on one device."""
 
-    def __init__(self, model: LlamaForCausalLM, kv: KVCacheStorage, backend, device: torch.device) -> None:
+    def __init__(self, model: LlamaForCausalLM, kv: KVCacheStorage, backend, device: torch.device,
+                 host: HostTier | None = None) -> None:
         self.model = model
         self.kv = kv
+        self.host = host
         self.backend = backend
         self.device = device
         self.sampler = Sampler()
@@ -74,8 +77,16 @@ class ModelRunner:
 
     def execute(self, out: SchedulerOutput, requests: dict[str, Request]) -> dict[str, int]:
         """Run one step; returns the sampled token of every chunk that samples."""
+        if self.host is not None:
+            self.host.wait()  # blocks prefetched during the previous step are in place now
+            if out.swap_out:
+                self.host.swap_out(out.swap_out)
         if out.copies:
             self.kv.copy_blocks(out.copies)
+        if out.swap_in:  # overlaps this step's forward; its requests compute next step
+            self.host.start_swap_in(out.swap_in)
+        if not out.chunks:
+            return {}
         chunks = sorted(out.chunks, key=lambda c: c.num_tokens != 1)  # stable: decodes first
         input_ids, positions, meta = build_metadata(chunks, self.kv.block_size, self.device)
         hidden = self.model(input_ids, positions, meta, self.kv, self.backend)

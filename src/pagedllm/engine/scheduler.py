@@ -4,13 +4,15 @@ Every step spends one token budget (``max_num_batched_tokens``): running request
 first), then waiting ones (FCFS) while there are sequence slots (``max_num_seqs``). A prompt that
 does not fit the budget is prefilled in chunks over several steps; prefill and decode share a
 step. When the KV pool runs out, a running request is preempted (the newest under the default ``lru``
-policy; see ``KVCacheManager.choose_victim``): its blocks are freed and it goes back to the front
-of the waiting queue, to be recomputed (prompt + tokens so far; the prefix cache usually still
-holds most of it).
+policy; see ``KVCacheManager.choose_victim``). With ``preemption_mode="recompute"`` its blocks
+are freed and it goes back to the front of the waiting queue, to be recomputed (prompt + tokens
+so far; the prefix cache usually still holds most of it). With ``"swap"`` its blocks are copied to
+the host tier (recompute if that is full) and it waits in ``swapped``; swapped requests come back
+before any new one is admitted, their blocks copied in while the step that brings them back runs.
 No torch here: the output is plain data (``SchedulerOutput``).
 
-Invariants: a request is in exactly one of ``waiting``/``running`` until it finishes; finished,
-aborted and preempted requests hold no blocks.
+Invariants: a request is in exactly one of ``waiting``/``running``/``swapped`` until it finishes;
+finished, aborted and preempted requests hold no device blocks.
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) blocks, before any write
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host) blocks, first of all
+    swap_in: list[tuple[int, int]] = field(default_factory=list)   # (host, device): prefetched during the step
 
     @property
     def num_batched_tokens(self) -> int:
@@ -55,7 +59,8 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not self.chunks
+        """Nothing to compute and no KV blocks to move."""
+        return not (self.chunks or self.copies or self.swap_out or self.swap_in)
 
 
 class Scheduler:
@@ -66,6 +71,7 @@ class Scheduler:
         self.kv = kv
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.swapped: list[Request] = []  # preempted by swap, oldest arrival first
         self.requests: dict[str, Request] = {}
 
     # -- admission -------------------------------------------------------------------------
@@ -83,16 +89,17 @@ class Scheduler:
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + len(self.swapped)
 
     # -- one step ----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        self.kv.begin_step()
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -112,6 +119,16 @@ class Scheduler:
                 i += 1
 
         if not out.preempted:
+            # swapped requests come back first; their blocks are copied in while this step runs,
+            # and they compute from the next step on
+            while self.swapped and len(self.running) < self.config.max_num_seqs:
+                req = self.swapped[0]
+                if not self.kv.swap_in(req.request_id, req.num_computed_tokens):
+                    break
+                self.swapped.pop(0)
+                req.status = RequestStatus.RUNNING
+                self.running.append(req)
+        if not out.preempted and not self.swapped:
             while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 req = self.waiting[0]
                 cached = self.kv.cached_prefix(req.request_id, req.token_ids, req.cache_salt)
@@ -130,6 +147,7 @@ class Scheduler:
                 out.chunks.append(self._chunk(req, num_new))
                 budget -= num_new
         out.copies = self.kv.take_copies()
+        out.swap_out, out.swap_in = self.kv.take_swaps()
         return out
 
     def _chunk(self, req: Request, num_new: int) -> ScheduledChunk:
@@ -144,11 +162,16 @@ class Scheduler:
         )
 
     def _preempt(self, req: Request) -> None:
-        self.kv.free(req.request_id, keep_hashes=True)
         self.kv.record_preemption()
+        req.num_preemptions += 1
+        if self.config.preemption_mode == "swap" and self.kv.swap_out(req.request_id):
+            req.status = RequestStatus.SWAPPED
+            self.swapped.append(req)
+            self.swapped.sort(key=lambda r: r.arrival_time)
+            return
+        self.kv.free(req.request_id, keep_hashes=True)  # recompute (also the fallback when the host tier is full)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
-        req.num_preemptions += 1
         self.waiting.appendleft(req)
 
     # -- after the model ran -------------------------------------------------------------------
@@ -205,6 +228,8 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        elif req in self.swapped:
+            self.swapped.remove(req)
         req.status = status
         self.kv.free(request_id)
         return req

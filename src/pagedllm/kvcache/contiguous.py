@@ -116,12 +116,21 @@ class ContiguousKVCacheManager:
     def block_ids(self, request_id: str) -> list[int]:
         return self.tables[request_id].block_ids
 
-    def free(self, request_id: str, keep_hashes: bool = False) -> None:
+    def free(self, request_id: str, keep_hashes: bool = False, keep_host: bool = False) -> None:
         table = self.tables.pop(request_id, None)
         if table is not None:
             for b in table.blocks:
                 self.used[b.block_id] = 0
                 b.ref_count = 0
+
+    def begin_step(self) -> None:
+        pass
+
+    def swap_out(self, request_id: str) -> bool:
+        return False  # reservations never grow, so nothing is ever preempted here
+
+    def take_swaps(self) -> tuple[list, list]:
+        return [], []
 
     def choose_victim(self, request_ids: Sequence[str]) -> int:
         return len(request_ids) - 1
@@ -141,6 +150,8 @@ class ContiguousKVCacheManager:
             "num_cached_blocks": 0, "prefix_cache_queries": 0, "prefix_cache_hits": 0,
             "num_preemptions": self.num_preemptions, "num_evictions": 0,
             "num_admission_stalls": self.num_admission_stalls, "num_cow_copies": self.num_cow_copies,
+            "num_swapped_out_blocks": 0, "num_swapped_in_blocks": 0, "num_host_blocks": 0,
+            "num_free_host_blocks": 0,
         }
 
     def check_invariants(self) -> None:

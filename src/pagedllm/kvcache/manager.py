@@ -18,6 +18,7 @@ from pagedllm.kvcache.allocator import BlockAllocator
 from pagedllm.kvcache.block import Block
 from pagedllm.kvcache.block_table import BlockTable
 from pagedllm.kvcache.hashing import extend_block_hashes
+from pagedllm.kvcache.host_pool import HostBlockPool
 from pagedllm.kvcache.prefix_cache import PrefixCache
 
 
@@ -27,7 +28,7 @@ class KVCacheManager:
     layout = "paged"
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 eviction_policy: str = "lru") -> None:
+                 eviction_policy: str = "lru", num_host_blocks: int = 0) -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.allocator = BlockAllocator(num_blocks, eviction_policy)
@@ -41,6 +42,14 @@ class KVCacheManager:
         self.prefix_cache_hits = 0     # of which were found cached
         self.num_cow_copies = 0
         self._pending_copies: list[tuple[int, int]] = []  # (src, dst) block copies for the runner
+        # swap to the host tier
+        self.host = HostBlockPool(num_host_blocks) if num_host_blocks else None
+        self._host_tables: dict[str, list[int]] = {}    # swapped-out request -> host block ids
+        self._swap_out: list[tuple[int, int]] = []      # (device, host) copies for this step
+        self._swap_in: list[tuple[int, int]] = []       # (host, device) copies for this step
+        self._host_release_next: list[int] = []         # host blocks whose copy-in may be in flight
+        self.num_swapped_out_blocks = 0
+        self.num_swapped_in_blocks = 0
 
     @property
     def num_blocks(self) -> int:
@@ -156,12 +165,59 @@ class KVCacheManager:
         copies, self._pending_copies = self._pending_copies, []
         return copies
 
+    # -- swap -------------------------------------------------------------------------------------
+    def begin_step(self) -> None:
+        """Host blocks read by the previous step's copy-in are free again (the runner waits for
+        that copy before it starts the next one)."""
+        if self._host_release_next:
+            self.host.free(self._host_release_next)
+            self._host_release_next = []
+
+    def swap_out(self, request_id: str) -> bool:
+        """Move a request's KV to the host tier and free its device blocks. False if the host
+        tier is absent or full (the caller then falls back to recompute)."""
+        table = self.tables.get(request_id)
+        if self.host is None or table is None:
+            return False
+        host_ids = self.host.allocate(len(table.blocks))
+        if host_ids is None:
+            return False
+        self._swap_out.extend(zip(table.block_ids, host_ids, strict=True))
+        self._host_tables[request_id] = host_ids
+        self.num_swapped_out_blocks += len(host_ids)
+        self.free(request_id, keep_hashes=True, keep_host=True)
+        return True
+
+    def is_swapped(self, request_id: str) -> bool:
+        return request_id in self._host_tables
+
+    def swap_in(self, request_id: str, num_slots: int) -> bool:
+        """Give a swapped-out request fresh device blocks for its ``num_slots`` computed slots and
+        schedule the copy back. False (nothing changed) if the device pool cannot hold them."""
+        host_ids = self._host_tables[request_id]
+        if not self.allocate_slots(request_id, num_slots):
+            return False
+        self._swap_in.extend(zip(host_ids, self.block_ids(request_id), strict=True))
+        del self._host_tables[request_id]
+        self._host_release_next.extend(host_ids)
+        self.num_swapped_in_blocks += len(host_ids)
+        return True
+
+    def take_swaps(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """(device->host, host->device) block copies decided since the last call."""
+        outs, ins = self._swap_out, self._swap_in
+        self._swap_out, self._swap_in = [], []
+        return outs, ins
+
     def block_ids(self, request_id: str) -> list[int]:
         return self.tables[request_id].block_ids
 
-    def free(self, request_id: str, keep_hashes: bool = False) -> None:
+    def free(self, request_id: str, keep_hashes: bool = False, keep_host: bool = False) -> None:
         """Release every block of a request (no-op if it holds none). Cached blocks keep their
-        hash and stay hittable until reused. ``keep_hashes`` for a request that will come back."""
+        hash and stay hittable until reused. ``keep_hashes`` for a request that will come back;
+        ``keep_host`` keeps its swapped-out copy."""
+        if not keep_host and request_id in self._host_tables:
+            self._host_release_next.extend(self._host_tables.pop(request_id))
         table = self.tables.pop(request_id, None)
         self._num_cached.pop(request_id, None)
         if not keep_hashes:
@@ -216,6 +272,10 @@ class KVCacheManager:
             "num_preemptions": self.num_preemptions,
             "num_evictions": self.allocator.num_evictions,
             "num_cow_copies": self.num_cow_copies,
+            "num_swapped_out_blocks": self.num_swapped_out_blocks,
+            "num_swapped_in_blocks": self.num_swapped_in_blocks,
+            "num_host_blocks": self.host.num_blocks if self.host else 0,
+            "num_free_host_blocks": self.host.num_free if self.host else 0,
         }
 
     def check_invariants(self) -> None:
@@ -232,3 +292,7 @@ class KVCacheManager:
             assert block.block_hash == h, f"cache entry {h:x} points at {block} with another hash"
         for t in self.tables.values():
             assert len(t.blocks) * self.block_size >= t.num_slots
+        if self.host is not None:
+            held = [h for ids in self._host_tables.values() for h in ids] + self._host_release_next
+            assert len(set(held)) == len(held), "a host block is held twice"
+            assert self.host.num_free + len(held) == self.host.num_blocks, "host blocks leaked"
