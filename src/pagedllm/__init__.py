@@ -9,13 +9,14 @@ from __future__ import annotations
 import importlib
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "BeamSearchParams"]
 
 _LAZY = {
     "LLM": "pagedllm.llm",
     "SamplingParams": "pagedllm.engine.sampling_params",
     "RequestOutput": "pagedllm.engine.outputs",
     "CompletionOutput": "pagedllm.engine.outputs",
+    "BeamSearchParams": "pagedllm.engine.beam_search",
 }
 
 

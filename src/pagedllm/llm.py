@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 from tqdm.auto import tqdm
 
+from pagedllm.engine.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from pagedllm.engine.engine import Engine
 from pagedllm.engine.outputs import RequestOutput
 from pagedllm.engine.sampling_params import SamplingParams
@@ -69,6 +70,12 @@ class LLM:
         for out in outs:
             out.prompt = tok.decode(out.prompt_token_ids, skip_special_tokens=False)
         return outs
+
+    def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """vLLM-compatible beam search; beams share KV blocks through fork / copy-on-write."""
+        if isinstance(prompts, str | dict) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        return beam_search(self.engine, list(prompts), params)
 
     def _run(self, prompts: list[Prompt], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.engine

@@ -19,6 +19,7 @@ from pagedllm.config import CacheConfig, EngineConfig, SchedulerConfig, parse_by
 from pagedllm.engine.model_runner import ModelRunner
 from pagedllm.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagedllm.engine.request import Request, RequestStatus
+from pagedllm.engine.sampler import TokenLogprobs
 from pagedllm.engine.sampling_params import SamplingParams
 from pagedllm.engine.scheduler import Scheduler
 from pagedllm.errors import InvalidRequest, RequestTooLong
@@ -45,6 +46,8 @@ class _OutputState:
     text: str = ""
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float | None = None
     max_stop_len: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -52,7 +55,14 @@ class _OutputState:
 
     def completion(self) -> CompletionOutput:
         return CompletionOutput(self.index, self.text, list(self.request.output_token_ids), self.finish_reason,
-                                self.stop_reason)
+                                self.stop_reason, self.cumulative_logprob,
+                                None if self.logprobs is None else list(self.logprobs))
+
+    def add_logprobs(self, token: int, lp: TokenLogprobs) -> None:
+        if self.logprobs is None:
+            self.logprobs, self.cumulative_logprob = [], 0.0
+        self.logprobs.append({**lp.top, token: lp.token_logprob})
+        self.cumulative_logprob += lp.token_logprob
 
 
 @dataclass
@@ -242,13 +252,17 @@ class Engine:
         sched_out = self.scheduler.schedule()
         if sched_out.is_empty:
             return []
-        sampled = self.runner.execute(sched_out, self.scheduler.requests)
-        progressed = self.scheduler.update(sched_out, sampled)
+        result = self.runner.execute(sched_out, self.scheduler.requests)
+        progressed = self.scheduler.update(sched_out, result.tokens)
         groups: dict[str, _Group] = {}
         for req in progressed:
             group = self._seq_group.get(req.request_id)
             if group is not None:
-                self._process(group.seqs[self._seq_index(group, req)], req)
+                state = group.seqs[self._seq_index(group, req)]
+                lp = result.logprobs.get(req.request_id)
+                if lp is not None:
+                    state.add_logprobs(req.output_token_ids[-1], lp)
+                self._process(state, req)
                 groups[group.request_id] = group
         return [self._output(g) for g in groups.values()]
 

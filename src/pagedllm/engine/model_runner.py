@@ -8,15 +8,25 @@ with decode sequences first, and computes logits only for rows that sample.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.engine.request import Request
-from pagedllm.engine.sampler import Sampler
+from pagedllm.engine.sampler import Sampler, TokenLogprobs
 from pagedllm.engine.scheduler import ScheduledChunk, SchedulerOutput
 from pagedllm.kvstore.host_tier import HostTier
 from pagedllm.kvstore.storage import KVCacheStorage
 from pagedllm.models.llama import LlamaForCausalLM
+
+
+@dataclass
+class StepResult:
+    """What one step produced: a token per sampling sequence, and logprobs where asked."""
+
+    tokens: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
 
 
 def build_metadata(chunks: list[ScheduledChunk], block_size: int, device: torch.device):
@@ -75,8 +85,8 @@ class ModelRunner:
     def release(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
 
-    def execute(self, out: SchedulerOutput, requests: dict[str, Request]) -> dict[str, int]:
-        """Run one step; returns the sampled token of every chunk that samples."""
+    def execute(self, out: SchedulerOutput, requests: dict[str, Request]) -> StepResult:
+        """Run one step; returns the sampled token (and logprobs if asked) of every chunk that samples."""
         if self.host is not None:
             self.host.wait()  # blocks prefetched during the previous step are in place now
             if out.swap_out:
@@ -86,7 +96,7 @@ class ModelRunner:
         if out.swap_in:  # overlaps this step's forward; its requests compute next step
             self.host.start_swap_in(out.swap_in)
         if not out.chunks:
-            return {}
+            return StepResult()
         chunks = sorted(out.chunks, key=lambda c: c.num_tokens != 1)  # stable: decodes first
         input_ids, positions, meta = build_metadata(chunks, self.kv.block_size, self.device)
         hidden = self.model(input_ids, positions, meta, self.kv, self.backend)
@@ -98,7 +108,9 @@ class ModelRunner:
                     rows.append(meta.query_start_loc_list[i + 1] - 1)
                     reqs.append(requests[rid])
         if not rows:
-            return {}
+            return StepResult()
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
-        tokens = self.sampler.sample(logits, [r.sampling_params for r in reqs], [self._generator(r) for r in reqs])
-        return {r.request_id: tok for r, tok in zip(reqs, tokens, strict=True)}
+        tokens, logprobs = self.sampler.sample(logits, [r.sampling_params for r in reqs],
+                                               [self._generator(r) for r in reqs])
+        return StepResult({r.request_id: tok for r, tok in zip(reqs, tokens, strict=True)},
+                          {reqs[i].request_id: lp for i, lp in logprobs.items()})

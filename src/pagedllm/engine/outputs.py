@@ -14,6 +14,8 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    cumulative_logprob: float | None = None
+    logprobs: list[dict[int, float]] | None = None  # per generated token: top-k (+ the chosen one)
 
     @property
     def finished(self) -> bool:

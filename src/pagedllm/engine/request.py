@@ -50,6 +50,8 @@ class Request:
     # parallel sampling (n > 1): siblings that fork from this request when its prompt is computed
     pending_forks: list[Request] = field(default_factory=list)
     parent_id: str | None = None
+    # beam search: the next token is chosen by the driver from the logprobs, not by the sampler
+    external_tokens: bool = False
     token_ids: list[int] = field(init=False)
 
     def __post_init__(self) -> None:

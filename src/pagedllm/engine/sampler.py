@@ -8,6 +8,8 @@ tokens alone or in any batch.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from pagedllm.engine.sampling_params import SamplingParams
@@ -28,12 +30,38 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.T
     return logits
 
 
+@dataclass
+class TokenLogprobs:
+    """Log-probabilities (of the model's raw distribution) at one generated position."""
+
+    token_logprob: float                 # of the token that was generated
+    top: dict[int, float]                # the k most likely tokens (k = SamplingParams.logprobs)
+
+
 class Sampler:
     """Samples one token per row of a logits batch."""
 
     def sample(self, logits: torch.Tensor, params: list[SamplingParams],
-               generators: list[torch.Generator | None]) -> list[int]:
-        """logits [S, V] float32 -> S token ids."""
+               generators: list[torch.Generator | None],
+               ) -> tuple[list[int], dict[int, TokenLogprobs]]:
+        """logits [S, V] float32 -> S token ids, and logprobs for the rows that asked for them."""
+        tokens = self._choose(logits, params, generators)
+        wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if not wanted:
+            return tokens, {}
+        logp = torch.log_softmax(logits[wanted], dim=-1)
+        k = max(params[i].logprobs for i in wanted)
+        top_lp, top_ids = (logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long()))
+        chosen = logp.gather(1, torch.tensor([[tokens[i]] for i in wanted])).squeeze(1).tolist()
+        top_lp, top_ids = top_lp.tolist(), top_ids.tolist()
+        out = {}
+        for j, i in enumerate(wanted):
+            n = params[i].logprobs
+            out[i] = TokenLogprobs(chosen[j], dict(zip(top_ids[j][:n], top_lp[j][:n], strict=True)))
+        return tokens, out
+
+    def _choose(self, logits: torch.Tensor, params: list[SamplingParams],
+                generators: list[torch.Generator | None]) -> list[int]:
         greedy_ids = logits.argmax(dim=-1).tolist()
         out = []
         for i, p in enumerate(params):

@@ -105,6 +105,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if num_new == 0:  # waiting for its next token to be chosen (beam search)
+                i += 1
+                continue
             while not self.kv.allocate_slots(req.request_id, req.num_computed_tokens + num_new,
                                              num_computed=req.num_computed_tokens):
                 # only requests not yet scheduled in this step (index >= i) can be preempted
@@ -146,6 +149,16 @@ class Scheduler:
                 self.running.append(req)
                 out.chunks.append(self._chunk(req, num_new))
                 budget -= num_new
+        if not out.chunks and (self.waiting or self.swapped):
+            parked = [r for r in self.running if r.num_computed_tokens == r.num_tokens]
+            if parked:
+                # Only requests waiting for an outside choice (beam search) are running, and that
+                # choice waits on requests that cannot get memory: release one, to the back of the
+                # queue (it already delivered its logprobs), so the others can run.
+                victim = parked[-1]
+                self.running.remove(victim)
+                self._preempt(victim, to_back=True)
+                out.preempted.append(victim.request_id)
         out.copies = self.kv.take_copies()
         out.swap_out, out.swap_in = self.kv.take_swaps()
         return out
@@ -161,10 +174,10 @@ class Scheduler:
             fork_ids=[f.request_id for f in req.pending_forks] if start + num_new == req.num_tokens else [],
         )
 
-    def _preempt(self, req: Request) -> None:
+    def _preempt(self, req: Request, to_back: bool = False) -> None:
         self.kv.record_preemption()
         req.num_preemptions += 1
-        if self.config.preemption_mode == "swap" and self.kv.swap_out(req.request_id):
+        if not to_back and self.config.preemption_mode == "swap" and self.kv.swap_out(req.request_id):
             req.status = RequestStatus.SWAPPED
             self.swapped.append(req)
             self.swapped.sort(key=lambda r: r.arrival_time)
@@ -172,7 +185,10 @@ class Scheduler:
         self.kv.free(req.request_id, keep_hashes=True)  # recompute (also the fallback when the host tier is full)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
-        self.waiting.appendleft(req)
+        if to_back:
+            self.waiting.append(req)
+        else:
+            self.waiting.appendleft(req)
 
     # -- after the model ran -------------------------------------------------------------------
     def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
@@ -188,7 +204,7 @@ class Scheduler:
             req.num_computed_tokens += chunk.num_tokens
             self.kv.cache_full_blocks(req.request_id, req.token_ids, req.num_computed_tokens, req.cache_salt)
             token = sampled.get(chunk.request_id)
-            if token is None:
+            if token is None or req.external_tokens:
                 continue
             req.append_output(token)
             for fid in chunk.fork_ids:
@@ -201,6 +217,32 @@ class Scheduler:
                 self.finish(req.request_id, status)
             progressed.append(req)
         return progressed
+
+    def append_token(self, request_id: str, token: int) -> Request:
+        """Append a token chosen outside the sampler (beam search); finishes the request at its limit."""
+        req = self.requests[request_id]
+        req.append_output(token)
+        status = req.check_stop(self.config.max_model_len)
+        if status is not None:
+            self.finish(request_id, status)
+        return req
+
+    def fork(self, parent_id: str, child: Request) -> None:
+        """Start ``child`` (same tokens as the parent) sharing the parent's computed blocks; if the
+        parent holds none right now (preempted), the child recomputes from the waiting queue."""
+        parent = self.requests[parent_id]
+        if child.request_id in self.requests:
+            raise ValueError(f"request id {child.request_id!r} is already in use")
+        self.requests[child.request_id] = child
+        if parent.status is RequestStatus.RUNNING and parent_id in self.kv.tables and self.kv.fork(
+                parent_id, child.request_id, parent.num_computed_tokens):
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.status = RequestStatus.RUNNING
+            self.running.append(child)
+        else:
+            child.num_computed_tokens = 0
+            child.status = RequestStatus.PREEMPTED
+            self.waiting.appendleft(child)
 
     def _start_fork(self, parent: Request, fork: Request, token: int) -> Request:
         """A sibling takes the parent's computed prompt blocks (shared) and its own first token."""

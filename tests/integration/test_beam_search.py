@@ -1,0 +1,106 @@
+"""Beam search: equal to the same algorithm run on HF transformers over the full vocabulary,
+beams share blocks (fork / copy-on-write), nothing leaks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm import LLM, BeamSearchParams, SamplingParams
+from pagedllm.engine.beam_search import beam_search
+from tests.conftest import make_tiny_checkpoint
+from tests.integration.test_engine import assert_all_free
+
+
+def hf_beam_search(model, prompt: list[int], width: int, steps: int) -> list[tuple[list[int], float]]:
+    """Reference: keep the `width` best of all width x vocab extensions each step (no EOS stop)."""
+    beams = [(list(prompt), 0.0)]
+    for _ in range(steps):
+        with torch.inference_mode():
+            logits = model(torch.tensor([b[0] for b in beams])).logits[:, -1].float()
+        logp = torch.log_softmax(logits, dim=-1)
+        scores = torch.tensor([b[1] for b in beams]).unsqueeze(1) + logp
+        top = scores.flatten().topk(width)
+        vocab = logp.shape[1]
+        beams = [(beams[i // vocab][0] + [i % vocab], float(v)) for v, i in zip(top.values, top.indices.tolist(),
+                                                                                 strict=True)]
+    return beams
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    folder = make_tiny_checkpoint(tmp_path_factory.mktemp("beam") / "llama", "llama", seed=3)
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    llm = LLM(model=folder, dtype="float32", block_size=8, num_kv_blocks=64)
+    return hf, llm
+
+
+@pytest.mark.parametrize("width,steps,prompt_len", [(3, 4, 5), (4, 6, 19), (2, 3, 8)])
+def test_beam_search_equals_the_reference_on_hf(tiny, width, steps, prompt_len):
+    hf, llm = tiny
+    prompt = torch.randint(3, 512, (prompt_len,), generator=torch.Generator().manual_seed(prompt_len)).tolist()
+    params = BeamSearchParams(beam_width=width, max_tokens=steps, ignore_eos=True, length_penalty=0.0)
+    got = llm.beam_search([{"prompt_token_ids": prompt}], params)[0].sequences
+    expected = hf_beam_search(hf, prompt, width, steps)
+    assert [s.tokens for s in got] == [e[0] for e in expected]
+    for s, e in zip(got, expected, strict=True):
+        assert s.cum_logprob == pytest.approx(e[1], abs=1e-4)
+        assert s.finish_reason == "length"
+    assert_all_free(llm)
+
+
+def test_width_one_is_greedy(tiny):
+    _, llm = tiny
+    prompt = list(range(10, 30))
+    beam = llm.beam_search({"prompt_token_ids": prompt}, BeamSearchParams(beam_width=1, max_tokens=8,
+                                                                           ignore_eos=True))[0]
+    greedy = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=8,
+                                                                        ignore_eos=True), use_tqdm=False)[0]
+    assert beam.sequences[0].tokens == prompt + greedy.outputs[0].token_ids
+    assert_all_free(llm)
+
+
+def test_beams_share_prompt_blocks_and_copy_on_write(tiny):
+    _, llm = tiny
+    prompt = list(range(100, 141))  # 41 tokens: 5 full blocks of 8 + 1 token
+    before = llm.kv_cache_stats()["num_cow_copies"]
+    stats: dict = {}
+    beam_search(llm.engine, [{"prompt_token_ids": prompt}], BeamSearchParams(beam_width=4, max_tokens=6,
+                                                                              ignore_eos=True), stats)
+    assert stats["peak_blocks_used"] < stats["peak_blocks_without_sharing"]
+    # the 5 full prompt blocks are held once instead of four times
+    assert stats["peak_blocks_without_sharing"] - stats["peak_blocks_used"] >= 3 * 5
+    assert llm.kv_cache_stats()["num_cow_copies"] > before
+    assert_all_free(llm)
+
+
+def test_beam_search_on_smollm_returns_ranked_text(smollm_fp32):
+    out = smollm_fp32.beam_search(["The capital of France is"], BeamSearchParams(beam_width=3, max_tokens=8))[0]
+    assert len(out.sequences) == 3
+    assert "Paris" in out.sequences[0].text
+    scores = [s.cum_logprob / len(s.tokens) for s in out.sequences if s.finish_reason == "length"]
+    assert scores == sorted(scores, reverse=True)
+    assert_all_free(smollm_fp32)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_beam_search_under_preemption_gives_the_same_beams(tiny, mode):
+    hf, big = tiny
+    folder = big.engine.model_path
+    small = LLM(model=str(folder), dtype="float32", block_size=8, num_kv_blocks=6, preemption_mode=mode,
+                swap_space="1MiB", enable_prefix_caching=False)
+    prompt = list(range(200, 229))  # 29 tokens
+    params = BeamSearchParams(beam_width=4, max_tokens=10, ignore_eos=True, length_penalty=0.0)
+    got = small.beam_search({"prompt_token_ids": prompt}, params)[0].sequences
+    assert small.kv_cache_stats()["num_preemptions"] > 0
+    assert [s.tokens for s in got] == [e[0] for e in hf_beam_search(hf, prompt, 4, 10)]
+    assert_all_free(small)
+
+
+@pytest.mark.parametrize("bad", [dict(beam_width=0, max_tokens=4), dict(beam_width=2, max_tokens=0),
+                                 dict(beam_width=11, max_tokens=4)])
+def test_beam_search_params_are_validated(bad):
+    with pytest.raises(ValueError):
+        BeamSearchParams(**bad)
