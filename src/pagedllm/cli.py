@@ -157,6 +157,13 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_kv_bench(args) -> int:
+    from pagedllm.bench import kv_bench
+
+    kv_bench.main(args)
+    return 0
+
+
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedllm", description="LLM inference over a paged KV cache")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -188,6 +195,43 @@ def make_parser() -> argparse.ArgumentParser:
     tp.add_argument("--skip-hf", action="store_true", help="measure pagedllm only")
     tp.add_argument("--json", default=None, help="also write the report to this file")
     tp.set_defaults(func=cmd_bench)
+
+    def kv_parser(name: str, help_text: str) -> argparse.ArgumentParser:
+        p = bsub.add_parser(name, help=help_text)
+        p.add_argument("--model", default=None)
+        p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+        p.add_argument("--block-size", type=int, default=16)
+        p.add_argument("--kv-cache-memory", default="512MiB")
+        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--json", default=None, help="also write the report to this file")
+        p.add_argument("--plot", default=None, help="also draw a PNG plot to this file")
+        p.set_defaults(func=cmd_kv_bench)
+        return p
+
+    pc = kv_parser("prefix-cache", "multi-turn chat TTFT with prefix caching on vs off")
+    pc.add_argument("--conversations", type=int, default=2)
+    pc.add_argument("--turns", type=int, default=8)
+    pc.add_argument("--system-tokens", type=int, default=100)
+    pc.add_argument("--user-tokens", type=int, default=200)
+    pc.add_argument("--answer-tokens", type=int, default=32)
+    pc.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    sh = kv_parser("sharing", "memory saved by block sharing: n-way sampling and beam search")
+    sh.add_argument("--prompt-tokens", type=int, default=512)
+    sh.add_argument("--output-tokens", type=int, default=64)
+    sh.add_argument("--n", type=int, default=4)
+    sh.add_argument("--beam-width", type=int, default=4)
+    fr = kv_parser("fragmentation", "paged vs contiguous KV on the same request mix")
+    fr.add_argument("--num-requests", type=int, default=32)
+    fr.add_argument("--prompt-len", default="32:512")
+    fr.add_argument("--output-len", default="16:256")
+    fr.add_argument("--max-model-len", type=int, default=2048)
+    fr.add_argument("--max-num-seqs", type=int, default=64)
+    pr = kv_parser("preemption", "recompute vs swap preemption on a pool too small for the load")
+    pr.add_argument("--num-requests", type=int, default=16)
+    pr.add_argument("--prompt-len", default="64:256")
+    pr.add_argument("--output-len", default="64:128")
+    pr.add_argument("--num-kv-blocks", type=int, default=64)
+    pr.add_argument("--swap-space", default="256MiB")
     return parser
 
 

@@ -54,3 +54,29 @@ def test_bench_throughput_compares_against_hf(tmp_path):
     assert systems["pagedllm"]["useful_tokens"] == systems["hf-transformers"]["useful_tokens"]
     assert systems["hf-transformers"]["computed_tokens"] >= systems["hf-transformers"]["useful_tokens"]
     assert "pagedllm / HF transformers" in r.stdout
+
+
+def test_kv_memory_benchmarks_run_and_report(tmp_path):
+    folder = make_tiny_checkpoint(tmp_path / "tiny", "llama")
+    common = ["--model", folder, "--dtype", "float32", "--block-size", "8", "--kv-cache-memory", "4MiB"]
+    runs = {
+        "prefix-cache": ["--turns", "3", "--system-tokens", "20", "--user-tokens", "12", "--answer-tokens", "4"],
+        "sharing": ["--prompt-tokens", "30", "--output-tokens", "6"],
+        "fragmentation": ["--num-requests", "6", "--prompt-len", "4:40", "--output-len", "2:10",
+                          "--max-model-len", "128"],
+        "preemption": ["--num-requests", "6", "--prompt-len", "20:40", "--output-len", "8:16",
+                       "--num-kv-blocks", "12", "--swap-space", "1MiB"],
+    }
+    for name, extra in runs.items():
+        out = tmp_path / f"{name}.json"
+        r = run_cli("bench", name, *common, *extra, "--json", str(out))
+        assert r.returncode == 0, (name, r.stderr)
+        report = json.loads(out.read_text())
+        if name == "prefix-cache":
+            assert report["on"]["prefix_cache_hits"] > 0 and report["off"]["prefix_cache_hits"] == 0
+        elif name == "sharing":
+            assert 0 < report["parallel_sampling"]["saved"] < 1 and 0 < report["beam_search"]["saved"] < 1
+        elif name == "fragmentation":
+            assert report["paged"]["mean_fragmentation"] < report["contiguous"]["mean_fragmentation"]
+        else:
+            assert report["same_outputs"] and report["swap"]["swapped_out_blocks"] > 0
