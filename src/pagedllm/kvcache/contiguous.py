@@ -71,20 +71,26 @@ class ContiguousKVCacheManager:
                 return i - n + 1
         return None
 
+    def _reserve(self, request_id: str, n: int) -> BlockTable | None:
+        """A first-fit run of ``n`` blocks as the request's table, or None (counted as a stall)."""
+        start = self._first_fit(n)
+        if start is None:
+            self.num_admission_stalls += 1
+            return None
+        table = self.tables[request_id] = BlockTable(self.block_size)
+        for i in range(start, start + n):
+            self.used[i] = 1
+            self.blocks[i].ref_count = 1
+        table.append_blocks(self.blocks[start:start + n], 0)
+        return table
+
     def allocate_slots(self, request_id: str, num_slots: int, cached: Sequence[Block] = (),
                        max_total_tokens: int | None = None, num_computed: int | None = None) -> bool:
         table = self.tables.get(request_id)
         if table is None:
-            n = self.max_blocks_for_request(max_total_tokens or num_slots)
-            start = self._first_fit(n)
-            if start is None:
-                self.num_admission_stalls += 1
+            table = self._reserve(request_id, self.max_blocks_for_request(max_total_tokens or num_slots))
+            if table is None:
                 return False
-            table = self.tables[request_id] = BlockTable(self.block_size)
-            for i in range(start, start + n):
-                self.used[i] = 1
-                self.blocks[i].ref_count = 1
-            table.append_blocks(self.blocks[start:start + n], 0)
         if table.blocks_needed(num_slots):
             raise ValueError(f"request {request_id} outgrew its contiguous reservation")
         table.num_slots = max(table.num_slots, num_slots)
@@ -94,16 +100,10 @@ class ContiguousKVCacheManager:
         """No sharing here: the child gets its own reservation and a copy of the parent's blocks.
         False if no contiguous run is free (the child then recomputes from the waiting queue)."""
         parent = self.tables[parent_id]
-        n = len(parent.blocks)
-        start = self._first_fit(n)
-        if start is None:
-            self.num_admission_stalls += 1
+        table = self._reserve(child_id, len(parent.blocks))
+        if table is None:
             return False
-        table = self.tables[child_id] = BlockTable(self.block_size)
-        for i in range(start, start + n):
-            self.used[i] = 1
-            self.blocks[i].ref_count = 1
-        table.append_blocks(self.blocks[start:start + n], num_computed)
+        table.num_slots = num_computed
         used = self.blocks_for_tokens(num_computed)
         self._pending_copies.extend(zip(parent.block_ids[:used], table.block_ids[:used], strict=True))
         self.num_cow_copies += used
