@@ -164,6 +164,13 @@ def cmd_kv_bench(args) -> int:
     return 0
 
 
+def cmd_attention_bench(args) -> int:
+    from pagedllm.bench import attention_bench
+
+    attention_bench.main(args)
+    return 0
+
+
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedllm", description="LLM inference over a paged KV cache")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -226,6 +233,18 @@ def make_parser() -> argparse.ArgumentParser:
     fr.add_argument("--output-len", default="16:256")
     fr.add_argument("--max-model-len", type=int, default=2048)
     fr.add_argument("--max-num-seqs", type=int, default=64)
+    at = bsub.add_parser("attention", help="paged-attention backends vs contiguous SDPA (decode)")
+    at.add_argument("--batch", default="1,8,32,64")
+    at.add_argument("--context", default="128,512,2048,4096")
+    at.add_argument("--block-size", default="16")
+    at.add_argument("--dtype", default="bfloat16")
+    at.add_argument("--backends", default="cpu,reference")
+    at.add_argument("--repeats", type=int, default=10)
+    at.add_argument("--device", default="cpu")
+    at.add_argument("--seed", type=int, default=0)
+    at.add_argument("--json", default=None)
+    at.add_argument("--plot", default=None)
+    at.set_defaults(func=cmd_attention_bench)
     pr = kv_parser("preemption", "recompute vs swap preemption on a pool too small for the load")
     pr.add_argument("--num-requests", type=int, default=16)
     pr.add_argument("--prompt-len", default="64:256")

@@ -24,7 +24,7 @@ def test_smollm_batched_equals_hf_alone(smollm_fp32, hf_smollm_fp32, parity_prom
     smollm_fp32.engine.kv_manager.check_invariants()
 
 
-@pytest.mark.parametrize("backend", ["cpu", "reference"])
+@pytest.mark.parametrize("backend", ["cpu", "reference", "triton"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_tiny_random_checkpoint_equals_hf(tmp_path, arch, backend):
     from transformers import AutoModelForCausalLM

@@ -1,14 +1,14 @@
 """Pick an attention backend by name and device. Every backend has the same two methods:
 ``write_kv(k_cache, v_cache, key, value, meta)`` and ``forward(query, k_cache, v_cache, meta)``.
 
-``auto``: the C++ kernel on CPU when it builds, else the pure-torch reference.
+``auto``: Triton on CUDA; the C++ kernel on CPU when it builds, else the pure-torch reference.
 """
 
 from __future__ import annotations
 
 from pagedllm.attention.reference import ReferenceBackend
 
-BACKENDS = ("auto", "reference", "cpu")
+BACKENDS = ("auto", "reference", "cpu", "triton")
 
 
 def get_backend(name: str, device: str, head_dim: int):
@@ -17,6 +17,10 @@ def get_backend(name: str, device: str, head_dim: int):
     scale = head_dim ** -0.5
     if name == "reference":
         return ReferenceBackend(scale)
+    if name == "triton" or (name == "auto" and device.startswith("cuda")):
+        from pagedllm.attention.triton_kernel import TritonBackend
+
+        return TritonBackend(scale)
     if name == "cpu" or device == "cpu":
         from pagedllm.attention.cpu_kernel import CpuBackend, load_cpu_kernel
 

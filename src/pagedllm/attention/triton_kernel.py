@@ -1,0 +1,112 @@
+"""Triton paged attention and KV store (``attention_backend="triton"``, the default on CUDA).
+
+``paged_attention_kernel``: one program per (query token, query head). It walks the token's
+sequence block by block through the block table, up to the token's own position (causal within
+the new chunk, all of the cached prefix), with an online softmax: per block the running max and
+normaliser are rescaled by ``exp(m_old - m_new)`` (the log-sum-exp merge). So one kernel serves
+decode (one token per sequence) and prefill over a cached prefix (many). ``store_kv_kernel``
+writes new K/V rows into their slots, skipping padding (slot < 0).
+
+On a machine without a GPU the kernels run under ``TRITON_INTERPRET=1`` (set before this module
+is imported) on CPU tensors; loads are upcast to float32 right away, since the interpreter
+mishandles bfloat16 arithmetic.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedllm.attention.metadata import AttentionMetadata
+
+
+@triton.jit
+def store_kv_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, ROW: tl.constexpr,
+                    ROW_P2: tl.constexpr):
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t)
+    if slot >= 0:
+        offs = tl.arange(0, ROW_P2)
+        mask = offs < ROW
+        k = tl.load(key_ptr + t * ROW + offs, mask=mask)
+        v = tl.load(value_ptr + t * ROW + offs, mask=mask)
+        tl.store(k_cache_ptr + slot * ROW + offs, k, mask=mask)
+        tl.store(v_cache_ptr + slot * ROW + offs, v, mask=mask)
+
+
+@triton.jit
+def paged_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, token_seq_ptr, token_pos_ptr, tables_ptr,
+                           scale, max_blocks, H: tl.constexpr, KH: tl.constexpr, D: tl.constexpr,
+                           D_P2: tl.constexpr, B: tl.constexpr):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    kh = h // (H // KH)
+    seq = tl.load(token_seq_ptr + t)
+    pos = tl.load(token_pos_ptr + t)
+    d = tl.arange(0, D_P2)
+    dmask = d < D
+    j = tl.arange(0, B)
+    q = tl.load(q_ptr + (t * H + h) * D + d, mask=dmask, other=0.0).to(tl.float32) * scale
+    m = tl.full((), float("-inf"), tl.float32)
+    l_sum = tl.zeros((), tl.float32)
+    acc = tl.zeros((D_P2,), tl.float32)
+    num_blocks = pos // B + 1
+    for b in range(0, num_blocks):
+        block = tl.load(tables_ptr + seq * max_blocks + b)
+        key_pos = b * B + j
+        kmask = key_pos <= pos
+        rows = (block * B + j) * (KH * D) + kh * D
+        offs = rows[:, None] + d[None, :]
+        lmask = kmask[:, None] & dmask[None, :]
+        k = tl.load(k_cache_ptr + offs, mask=lmask, other=0.0).to(tl.float32)
+        v = tl.load(v_cache_ptr + offs, mask=lmask, other=0.0).to(tl.float32)
+        s = tl.sum(k * q[None, :], axis=1)
+        s = tl.where(kmask, s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=0))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new)
+        l_sum = l_sum * alpha + tl.sum(p, axis=0)
+        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+        m = m_new
+    out = acc / l_sum
+    tl.store(out_ptr + (t * H + h) * D + d, out.to(out_ptr.dtype.element_ty), mask=dmask)
+
+
+class TritonBackend:
+    """Paged attention through Triton kernels; same interface as the reference."""
+
+    name = "triton"
+
+    def __init__(self, scale: float) -> None:
+        self.scale = scale
+
+    def write_kv(self, k_cache, v_cache, key, value, meta: AttentionMetadata) -> None:
+        row = k_cache.shape[2] * k_cache.shape[3]
+        key = key.to(k_cache.dtype).contiguous()
+        value = value.to(v_cache.dtype).contiguous()
+        store_kv_kernel[(key.shape[0],)](key, value, k_cache, v_cache, meta.slot_mapping, ROW=row,
+                                         ROW_P2=triton.next_power_of_2(row))
+
+    def forward(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        num_tokens, heads, dim = query.shape
+        token_seq, token_pos = _token_layout(meta, query.device)
+        out = torch.empty_like(query)
+        paged_attention_kernel[(num_tokens, heads)](
+            query.contiguous(), k_cache, v_cache, out, token_seq, token_pos, meta.block_tables, self.scale,
+            meta.block_tables.shape[1], H=heads, KH=k_cache.shape[2], D=dim, D_P2=triton.next_power_of_2(dim),
+            B=k_cache.shape[1])
+        return out
+
+
+def _token_layout(meta: AttentionMetadata, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each query row: its sequence index and absolute position (host lists -> one copy)."""
+    seqs, pos = [], []
+    qsl = meta.query_start_loc_list
+    for i, ctx in enumerate(meta.seq_lens_list):
+        n = qsl[i + 1] - qsl[i]
+        seqs.extend([i] * n)
+        pos.extend(range(ctx - n, ctx))
+    return (torch.tensor(seqs, dtype=torch.int64, device=device),
+            torch.tensor(pos, dtype=torch.int64, device=device))

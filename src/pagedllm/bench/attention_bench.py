@@ -1,0 +1,121 @@
+"""``pagedllm bench attention``: paged-attention backends against SDPA over a contiguous cache.
+
+For each (batch, context, block size, dtype): decode attention (one query per sequence) with
+SmolLM2's head layout (9 query heads, 3 KV heads, head dim 64) over a cache of random K/V.
+The contiguous baseline keeps each sequence's K/V in one dense [batch, kv_heads, context, dim]
+tensor and calls ``scaled_dot_product_attention`` (GQA); the paged backends read the same K/V
+scattered over shuffled blocks through block tables. Times are medians of repeated calls in one
+process; the report gives each backend's time as a ratio to the contiguous SDPA.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from pagedllm.attention.backends import get_backend
+from pagedllm.attention.metadata import AttentionMetadata
+
+HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
+
+
+def _time(fn, repeats: int) -> float:
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    fn()
+    sync()
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
+def _case(batch: int, ctx: int, block: int, dtype: torch.dtype, gen: torch.Generator, device: str):
+    nblocks = -(-ctx // block)
+    total = batch * nblocks
+    k_cache = torch.randn(total, block, KV_HEADS, HEAD_DIM, generator=gen).to(device, dtype)
+    v_cache = torch.randn(total, block, KV_HEADS, HEAD_DIM, generator=gen).to(device, dtype)
+    tables = torch.randperm(total, generator=gen).view(batch, nblocks).to(device)
+    q = torch.randn(batch, HEADS, HEAD_DIM, generator=gen).to(device, dtype)
+    seq_lens = [ctx] * batch
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(batch, dtype=torch.long, device=device),
+        query_start_loc=torch.arange(batch + 1, device=device),
+        seq_lens=torch.tensor(seq_lens, device=device), block_tables=tables, num_decodes=batch,
+        query_start_loc_list=list(range(batch + 1)), seq_lens_list=seq_lens)
+    # the same K/V laid out contiguously per sequence: [batch, kv_heads, ctx, dim]
+    k_dense = k_cache[tables].reshape(batch, nblocks * block, KV_HEADS, HEAD_DIM)[:, :ctx].transpose(1, 2).contiguous()
+    v_dense = v_cache[tables].reshape(batch, nblocks * block, KV_HEADS, HEAD_DIM)[:, :ctx].transpose(1, 2).contiguous()
+    return q, k_cache, v_cache, meta, k_dense, v_dense
+
+
+def run(batches, contexts, blocks, dtypes, backends, repeats: int, seed: int = 0, device: str = "cpu") -> list[dict]:
+    gen = torch.Generator().manual_seed(seed)
+    rows = []
+    for batch, ctx, block, dtype_name in itertools.product(batches, contexts, blocks, dtypes):
+        dtype = getattr(torch, dtype_name)
+        q, kc, vc, meta, kd, vd = _case(batch, ctx, block, dtype, gen, device)
+        qd = q.unsqueeze(2)  # [batch, heads, 1, dim]
+        sdpa = _time(lambda qd=qd, kd=kd, vd=vd: F.scaled_dot_product_attention(qd, kd, vd, enable_gqa=True),
+                     repeats)
+        row = {"batch": batch, "context": ctx, "block_size": block, "dtype": dtype_name,
+               "sdpa_contiguous_ms": round(sdpa * 1000, 3)}
+        ref_out = None
+        for name in backends:
+            backend = get_backend(name, device, HEAD_DIM)
+            out = backend.forward(q, kc, vc, meta)
+            if ref_out is None:
+                ref_out = F.scaled_dot_product_attention(qd, kd, vd, enable_gqa=True).squeeze(2)
+            torch.testing.assert_close(out.float(), ref_out.float(), atol=3e-2, rtol=3e-2)
+            t = _time(lambda b=backend, q=q, kc=kc, vc=vc, meta=meta: b.forward(q, kc, vc, meta), repeats)
+            row[f"{name}_ms"] = round(t * 1000, 3)
+            row[f"{name}_over_sdpa"] = round(t / sdpa, 2)
+        rows.append(row)
+        print("  ".join(f"{k}={v}" for k, v in row.items()), flush=True)
+    return rows
+
+
+def plot(rows: list[dict], backends, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    block = 16 if any(r["block_size"] == 16 for r in rows) else rows[0]["block_size"]
+    for name in backends:
+        for batch in sorted({r["batch"] for r in rows}):
+            sel = [r for r in rows
+                   if r["batch"] == batch and r["block_size"] == block and r["dtype"] == rows[0]["dtype"]]
+            ax.plot([r["context"] for r in sel], [r[f"{name}_over_sdpa"] for r in sel], "o-",
+                    label=f"{name}, batch {batch}")
+    ax.axhline(1.0, color="grey", lw=1)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("time / contiguous SDPA")
+    ax.set_title(f"Paged decode attention, block {block}, {rows[0]['dtype']}")
+    ax.legend(fontsize=7, ncol=2)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(args) -> list[dict]:
+    ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
+    backends = args.backends.split(",")
+    rows = run(ints(args.batch), ints(args.context), ints(args.block_size), args.dtype.split(","), backends,
+               args.repeats, args.seed, args.device)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"threads": torch.get_num_threads(), "rows": rows}, f, indent=2)
+    if args.plot:
+        plot(rows, backends, args.plot)
+    return rows

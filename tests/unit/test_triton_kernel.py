@@ -1,0 +1,74 @@
+"""Triton kernels equal the reference (so dense SDPA); on CPU they run under TRITON_INTERPRET=1
+(set in tests/conftest.py before anything imports triton). Shapes are small: the interpreter is slow."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from pagedllm.attention.reference import ReferenceBackend
+from tests.unit.test_reference_attention import HEAD_DIM, build_case, run_and_compare
+
+triton = pytest.importorskip("triton", reason="triton is a dev dependency; install with make")
+if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("no GPU and TRITON_INTERPRET is not set", allow_module_level=True)
+
+from pagedllm.attention.triton_kernel import TritonBackend  # noqa: E402
+
+B = 16
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.fixture(scope="module")
+def backend():
+    return TritonBackend(HEAD_DIM ** -0.5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("ctx", [1, B - 1, B, B + 1, 70])
+def test_decode_matches_dense(backend, ctx, dtype):
+    run_and_compare([(ctx, 1)], dtype=dtype, backend=backend)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_ragged_decode_and_chunked_prefill_with_cached_prefix(backend, dtype):
+    run_and_compare([(1, 1), (B + 1, 1), (40, 7), (20, 20), (33, 5)], dtype=dtype, backend=backend)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(2, 2), (6, 2), (8, 1)])
+@pytest.mark.parametrize("block_size", [8, 32])
+def test_gqa_ratios_and_block_sizes(backend, num_heads, num_kv_heads, block_size):
+    run_and_compare([(9, 1), (block_size + 3, 4)], block_size=block_size, num_heads=num_heads,
+                    num_kv_heads=num_kv_heads, backend=backend)
+
+
+def test_long_context_decode(backend):
+    run_and_compare([(4096, 1)], dtype=torch.bfloat16, num_heads=3, num_kv_heads=1, backend=backend)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_store_and_attention_equal_the_reference(backend, dtype):
+    k1, v1, query, new_k, new_v, meta, _ = build_case([(50, 1), (30, 9)], B, 6, 2, dtype, seed=4)
+    k2, v2 = k1.clone(), v1.clone()
+    ref = ReferenceBackend(HEAD_DIM ** -0.5)
+    ref.write_kv(k1, v1, new_k, new_v, meta)
+    backend.write_kv(k2, v2, new_k, new_v, meta)
+    assert torch.equal(k1, k2) and torch.equal(v1, v2)
+    tol = dict(atol=1e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(backend.forward(query, k2, v2, meta).float(),
+                               ref.forward(query, k1, v1, meta).float(), **tol)
+
+
+def test_store_skips_padding_slots(backend):
+    from pagedllm.attention.metadata import AttentionMetadata
+
+    k_cache = torch.zeros(2, 4, 1, 2)
+    v_cache = torch.zeros_like(k_cache)
+    key = torch.ones(3, 1, 2)
+    meta = AttentionMetadata(torch.tensor([5, -1, 0]), torch.arange(4), torch.ones(3, dtype=torch.long),
+                             torch.zeros(3, 1, dtype=torch.long), 3, [0, 1, 2, 3], [1, 1, 1], True)
+    backend.write_kv(k_cache, v_cache, key, key * 2, meta)
+    flat = k_cache.view(8, 1, 2)
+    assert flat[5].eq(1).all() and flat[0].eq(1).all() and flat[[1, 2, 3, 4, 6, 7]].eq(0).all()
