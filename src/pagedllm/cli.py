@@ -171,6 +171,13 @@ def cmd_attention_bench(args) -> int:
     return 0
 
 
+def cmd_step_bench(args) -> int:
+    from pagedllm.bench import step_profile
+
+    step_profile.main(args)
+    return 0
+
+
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedllm", description="LLM inference over a paged KV cache")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -245,6 +252,15 @@ def make_parser() -> argparse.ArgumentParser:
     at.add_argument("--json", default=None)
     at.add_argument("--plot", default=None)
     at.set_defaults(func=cmd_attention_bench)
+    sp = bsub.add_parser("step", help="where one decode step's time goes")
+    sp.add_argument("--model", default=None)
+    sp.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    sp.add_argument("--attention-backend", default="auto", choices=["auto", "cpu", "reference"])
+    sp.add_argument("--batch", type=int, default=32)
+    sp.add_argument("--context", type=int, default=128)
+    sp.add_argument("--steps", type=int, default=20)
+    sp.add_argument("--json", default=None)
+    sp.set_defaults(func=cmd_step_bench)
     pr = kv_parser("preemption", "recompute vs swap preemption on a pool too small for the load")
     pr.add_argument("--num-requests", type=int, default=16)
     pr.add_argument("--prompt-len", default="64:256")

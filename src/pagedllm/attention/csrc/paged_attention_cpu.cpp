@@ -58,6 +58,20 @@ inline void from_float(const float* src, T* dst, int n) {
   for (int i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i]);
 }
 
+// 16-float vectors (GCC/Clang vector extensions: AVX-512 with -march=native, narrower ISAs split
+// them); unaligned loads allowed.
+typedef float v16 __attribute__((vector_size(64), aligned(4)));
+
+typedef float v8 __attribute__((vector_size(32), aligned(4)));
+typedef float v4 __attribute__((vector_size(16), aligned(4)));
+
+inline float hsum(v16 x) {  // pairwise tree: 4 shuffle + add steps
+  v8 a = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7) +
+         __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
+  v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
 struct Tile {
   int64_t seq;
   int64_t q_begin;  // row in the flat batch
@@ -121,13 +135,26 @@ void attention_kernel(const T* q, const T* kc, const T* vc, T* out, const int64_
           float* sc = &scores[r * B];
           const float* qr = &qf[r * D];
           float block_max = -std::numeric_limits<float>::infinity();
-          for (int64_t j = 0; j < visible; ++j) {
-            const float* kr = &kf[j * D];
-            float dot = 0.f;
+          if constexpr (kD > 0 && kD % 16 == 0) {
+            constexpr int NV = kD / 16;  // head dim in 16-float vectors, kept in registers
+            v16 qv[NV];
+            for (int v = 0; v < NV; ++v) qv[v] = *reinterpret_cast<const v16*>(qr + 16 * v);
+            for (int64_t j = 0; j < visible; ++j) {
+              const v16* kr = reinterpret_cast<const v16*>(&kf[j * kD]);
+              v16 s = qv[0] * kr[0];
+              for (int v = 1; v < NV; ++v) s += qv[v] * kr[v];
+              sc[j] = hsum(s);
+              block_max = std::max(block_max, sc[j]);
+            }
+          } else {
+            for (int64_t j = 0; j < visible; ++j) {
+              const float* kr = &kf[j * D];
+              float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-            for (int64_t d = 0; d < D; ++d) dot += qr[d] * kr[d];
-            sc[j] = dot;
-            block_max = std::max(block_max, dot);
+              for (int64_t d = 0; d < D; ++d) dot += qr[d] * kr[d];
+              sc[j] = dot;
+              block_max = std::max(block_max, dot);
+            }
           }
           const float m_new = std::max(m[r], block_max);
           // rescale what earlier blocks contributed (nothing yet when m[r] = -inf)
@@ -139,13 +166,25 @@ void attention_kernel(const T* q, const T* kc, const T* vc, T* out, const int64_
             sc[j] = exp_nonpositive(sc[j] - m_new);
             block_sum += sc[j];
           }
+          if constexpr (kD > 0 && kD % 16 == 0) {
+            constexpr int NV = kD / 16;  // the accumulator row stays in registers across the block
+            v16 a[NV];
+            for (int v = 0; v < NV; ++v) a[v] = *reinterpret_cast<const v16*>(ar + 16 * v) * alpha;
+            for (int64_t j = 0; j < visible; ++j) {
+              const v16* vr = reinterpret_cast<const v16*>(&vf[j * kD]);
+              const float p = sc[j];
+              for (int v = 0; v < NV; ++v) a[v] += p * vr[v];
+            }
+            for (int v = 0; v < NV; ++v) *reinterpret_cast<v16*>(ar + 16 * v) = a[v];
+          } else {
 #pragma omp simd
-          for (int64_t d = 0; d < D; ++d) ar[d] *= alpha;
-          for (int64_t j = 0; j < visible; ++j) {
-            const float p = sc[j];
-            const float* vr = &vf[j * D];
+            for (int64_t d = 0; d < D; ++d) ar[d] *= alpha;
+            for (int64_t j = 0; j < visible; ++j) {
+              const float p = sc[j];
+              const float* vr = &vf[j * D];
 #pragma omp simd
-            for (int64_t d = 0; d < D; ++d) ar[d] += p * vr[d];
+              for (int64_t d = 0; d < D; ++d) ar[d] += p * vr[d];
+            }
           }
           l[r] = l[r] * alpha + block_sum;
           m[r] = m_new;

@@ -1,0 +1,81 @@
+"""``pagedllm bench step``: where one decode step's time goes, at a given batch size.
+
+Fills the engine with ``batch`` requests, prefills them, then times ``steps`` decode steps and
+splits the step time into: dense matmuls (``aten::mm``/``addmm`` from the torch profiler),
+attention (the backend's ``write_kv`` + ``forward``, timed around the calls), the other torch ops
+(norms, RoPE, activations, argmax...), and the rest: Python in the scheduler, runner, sampler
+and detokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+
+def _timed(obj, name: str, bucket: list[float]) -> None:
+    fn = getattr(obj, name)
+
+    def wrapper(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            bucket[0] += time.perf_counter() - t0
+
+    setattr(obj, name, wrapper)
+
+
+def main(args) -> dict:
+    from pagedllm import LLM, SamplingParams
+
+    llm = LLM(model=args.model, dtype=args.dtype, attention_backend=args.attention_backend,
+              max_num_seqs=max(64, args.batch))
+    engine = llm.engine
+    gen = torch.Generator().manual_seed(0)
+    vocab = engine.config.model.vocab_size
+    for i in range(args.batch):
+        engine.add_request(str(i), torch.randint(100, vocab, (args.context,), generator=gen).tolist(),
+                           SamplingParams(temperature=0, max_tokens=2 * args.steps + 8, ignore_eos=True))
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.requests.values()):
+        engine.step()
+    for _ in range(3):
+        engine.step()
+    attention = [0.0]
+    backend = engine.runner.backend
+    _timed(backend, "forward", attention)
+    _timed(backend, "write_kv", attention)
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(args.steps):
+            engine.step()
+    total = (time.perf_counter() - t0) / args.steps
+    ops = {e.key: e.self_cpu_time_total / 1e6 / args.steps for e in prof.key_averages()}
+    matmul = sum(v for k, v in ops.items() if k in ("aten::mm", "aten::addmm", "aten::linear", "aten::bmm"))
+    other_ops = sum(v for k, v in ops.items() if k.startswith("aten::")) - matmul
+    attention_s = attention[0] / args.steps
+    # the profiler's own bookkeeping inflates the step; report shares of the profiled step
+    glue = max(0.0, total - matmul - attention_s - other_ops)
+    parts = {"matmul (linear layers, LM head)": matmul, "attention (write K/V + paged attention)": attention_s,
+             "other torch ops": max(0.0, other_ops), "Python and glue": glue}
+    t1 = time.perf_counter()
+    for _ in range(args.steps):
+        engine.step()
+    plain = (time.perf_counter() - t1) / args.steps
+    report = {"batch": args.batch, "context": args.context, "dtype": engine.config.dtype,
+              "backend": backend.name, "step_ms": round(plain * 1000, 2),
+              "tokens_per_s": round(args.batch / plain, 1),
+              "profiled_step_ms": round(total * 1000, 2),
+              "parts_ms": {k: round(v * 1000, 2) for k, v in parts.items()}}
+    print(f"batch {args.batch}, context ~{args.context}, {engine.config.dtype}, {backend.name} attention: "
+          f"{report['step_ms']} ms per decode step = {report['tokens_per_s']} tok/s")
+    print(f"{'part':<42}{'ms/step':>9}{'share':>8}   (profiled step {report['profiled_step_ms']} ms)")
+    for k, v in parts.items():
+        print(f"{k:<42}{v * 1000:>9.2f}{100 * v / total:>7.1f}%")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    return report
