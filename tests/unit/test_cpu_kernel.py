@@ -60,3 +60,24 @@ def test_store_skips_padding_slots(backend):
     backend.ops.store_kv(key, key * 2, k_cache, v_cache, torch.tensor([5, -1, 0]))
     flat = k_cache.view(8, 1, 2)
     assert flat[5].eq(1).all() and flat[0].eq(1).all() and flat[[1, 2, 3, 4, 6, 7]].eq(0).all()
+
+
+def test_without_a_compiler_auto_falls_back_to_the_reference_and_says_so_once(monkeypatch, caplog):
+    import pagedllm.attention.cpu_kernel as ck
+    from pagedllm.attention.backends import get_backend
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("error: command 'c++' failed: No such file or directory")
+
+    monkeypatch.setattr(ck, "_module", None)
+    monkeypatch.setattr(ck, "_failure", None)
+    monkeypatch.setattr("torch.utils.cpp_extension.load", no_compiler)
+    with caplog.at_level("WARNING"):
+        assert ck.load_cpu_kernel() is None
+        assert ck.load_cpu_kernel() is None
+        backend = get_backend("auto", "cpu", 64)
+    assert isinstance(backend, ReferenceBackend)
+    warnings = [r for r in caplog.records if "could not be built" in r.getMessage()]
+    assert len(warnings) == 1 and "c++" in warnings[0].getMessage()
+    with pytest.raises(RuntimeError, match="unavailable"):
+        get_backend("cpu", "cpu", 64)
