@@ -23,7 +23,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=1024)
     g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--attention-backend", default="auto", choices=["auto", "cpu", "reference"])
+    g.add_argument("--attention-backend", default="auto", choices=["auto", "cpu", "triton", "reference"])
+    g.add_argument("--no-prefix-caching", action="store_true", help="turn automatic prefix caching off")
+    g.add_argument("--eviction-policy", default="lru", choices=["lru", "lfu", "lru-lfu", "size-weighted"])
+    g.add_argument("--kv-layout", default="paged", choices=["paged", "contiguous"])
+    g.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
+    g.add_argument("--swap-space", default="256MiB")
     g.add_argument("--seed", type=int, default=0)
 
 
@@ -44,7 +49,9 @@ def build_llm(args):
     return LLM(model=args.model, dtype=args.dtype, block_size=args.block_size,
                kv_cache_memory=args.kv_cache_memory, num_kv_blocks=args.num_kv_blocks,
                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-               max_model_len=args.max_model_len, seed=args.seed, attention_backend=args.attention_backend)
+               max_model_len=args.max_model_len, seed=args.seed, attention_backend=args.attention_backend,
+               enable_prefix_caching=not args.no_prefix_caching, eviction_policy=args.eviction_policy,
+               kv_layout=args.kv_layout, preemption_mode=args.preemption_mode, swap_space=args.swap_space)
 
 
 def sampling_params(args):
