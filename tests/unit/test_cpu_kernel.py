@@ -81,3 +81,12 @@ def test_without_a_compiler_auto_falls_back_to_the_reference_and_says_so_once(mo
     assert len(warnings) == 1 and "c++" in warnings[0].getMessage()
     with pytest.raises(RuntimeError, match="unavailable"):
         get_backend("cpu", "cpu", 64)
+
+
+def test_fused_store_and_attend_equals_store_then_attend(backend):
+    k1, v1, query, new_k, new_v, meta, _ = build_case([(300, 1), (40, 9), (16, 16)], B, 9, 3, torch.bfloat16, seed=9)
+    k2, v2 = k1.clone(), v1.clone()
+    backend.write_kv(k1, v1, new_k, new_v, meta)
+    separate = backend.forward(query, k1, v1, meta)
+    fused = backend.store_and_attend(query, new_k, new_v, k2, v2, meta)
+    assert torch.equal(k1, k2) and torch.equal(v1, v2) and torch.equal(separate, fused)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from pagedllm.attention.base import AttentionBackend
 from pagedllm.attention.metadata import AttentionMetadata
 
 log = logging.getLogger(__name__)
@@ -50,7 +51,7 @@ def load_cpu_kernel():
     return _module
 
 
-class CpuBackend:
+class CpuBackend(AttentionBackend):
     """Paged attention through the compiled C++ kernel; same interface as the reference."""
 
     name = "cpu"
@@ -68,3 +69,8 @@ class CpuBackend:
                 meta: AttentionMetadata) -> torch.Tensor:
         return self.ops.paged_attention(query, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
                                         meta.block_tables, self.scale)
+
+    def store_and_attend(self, query, key, value, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        """One call into C++: store the new K/V rows into their slots, then attend."""
+        return self.ops.store_and_attend(query, key, value, k_cache, v_cache, meta.slot_mapping,
+                                         meta.query_start_loc, meta.seq_lens, meta.block_tables, self.scale)

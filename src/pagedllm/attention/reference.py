@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from pagedllm.attention.base import AttentionBackend
 from pagedllm.attention.metadata import AttentionMetadata
 
 
@@ -60,7 +61,7 @@ def blockwise_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch
     return out.permute(0, 3, 1, 2, 4).reshape(s, nq, h, d).to(q.dtype)
 
 
-class ReferenceBackend:
+class ReferenceBackend(AttentionBackend):
     """Pure-torch paged attention (gathers each sequence's blocks, then ``blockwise_attention``)."""
 
     name = "reference"

@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.attention.base import AttentionBackend
 from pagedllm.attention.metadata import AttentionMetadata
 
 
@@ -73,7 +74,7 @@ def paged_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, token_seq_p
     tl.store(out_ptr + (t * H + h) * D + d, out.to(out_ptr.dtype.element_ty), mask=dmask)
 
 
-class TritonBackend:
+class TritonBackend(AttentionBackend):
     """Paged attention through Triton kernels; same interface as the reference."""
 
     name = "triton"

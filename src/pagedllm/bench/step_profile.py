@@ -2,7 +2,7 @@
 
 Fills the engine with ``batch`` requests, prefills them, then times ``steps`` decode steps and
 splits the step time into: dense matmuls (``aten::mm``/``addmm`` from the torch profiler),
-attention (the backend's ``write_kv`` + ``forward``, timed around the calls), the other torch ops
+attention (the backend's ``store_and_attend``, timed around the calls), the other torch ops
 (norms, RoPE, activations, argmax...), and the rest: Python in the scheduler, runner, sampler
 and detokenizer.
 """
@@ -46,8 +46,7 @@ def main(args) -> dict:
         engine.step()
     attention = [0.0]
     backend = engine.runner.backend
-    _timed(backend, "forward", attention)
-    _timed(backend, "write_kv", attention)
+    _timed(backend, "store_and_attend", attention)
     t0 = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(args.steps):

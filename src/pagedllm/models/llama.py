@@ -34,8 +34,7 @@ class Attention(nn.Module):
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         q, k = rotary(positions, q, k)
-        backend.write_kv(k_cache, v_cache, k, v, meta)
-        out = backend.forward(q, k_cache, v_cache, meta)
+        out = backend.store_and_attend(q, k, v, k_cache, v_cache, meta)
         return self.o_proj(out.reshape(t, self.q_size))
 
 

@@ -267,7 +267,16 @@ void store_kv(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, tor
   });
 }
 
+// The fused path: store the step's new K/V rows, then attend, in one call per layer.
+torch::Tensor store_and_attend(torch::Tensor query, torch::Tensor key, torch::Tensor value, torch::Tensor k_cache,
+                               torch::Tensor v_cache, torch::Tensor slot_mapping, torch::Tensor query_start_loc,
+                               torch::Tensor seq_lens, torch::Tensor block_tables, double scale) {
+  store_kv(key, value, k_cache, v_cache, slot_mapping);
+  return paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "paged attention over a block table (CPU)");
   m.def("store_kv", &store_kv, "store K/V rows into their slots (CPU)");
+  m.def("store_and_attend", &store_and_attend, "store K/V rows, then paged attention (CPU)");
 }
