@@ -90,3 +90,29 @@ def test_fused_store_and_attend_equals_store_then_attend(backend):
     separate = backend.forward(query, k1, v1, meta)
     fused = backend.store_and_attend(query, new_k, new_v, k2, v2, meta)
     assert torch.equal(k1, k2) and torch.equal(v1, v2) and torch.equal(separate, fused)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_rope_store_attend_equals_the_unfused_path(backend, dtype):
+    from pagedllm.config import RopeScaling
+    from pagedllm.models.layers import RotaryEmbedding
+
+    heads, kv_heads = 9, 3
+    k1, v1, _, _, _, meta, _ = build_case([(300, 1), (40, 9), (16, 16), (5, 1)], B, heads, kv_heads, dtype, seed=2)
+    k2, v2 = k1.clone(), v1.clone()
+    rotary = RotaryEmbedding(HEAD_DIM, 512, 100000.0, RopeScaling(), dtype)
+    num_tokens = int(meta.slot_mapping.shape[0])
+    gen = torch.Generator().manual_seed(1)
+    qkv = torch.randn(num_tokens, (heads + 2 * kv_heads) * HEAD_DIM, generator=gen).to(dtype)
+    positions = torch.tensor([p for i, ctx in enumerate(meta.seq_lens_list)
+                              for p in range(ctx - (meta.query_start_loc_list[i + 1] - meta.query_start_loc_list[i]),
+                                             ctx)])
+    q, k, v = qkv.split([heads * HEAD_DIM, kv_heads * HEAD_DIM, kv_heads * HEAD_DIM], dim=-1)
+    q, k = rotary(positions, q.reshape(num_tokens, heads, HEAD_DIM), k.reshape(num_tokens, kv_heads, HEAD_DIM))
+    unfused = backend.store_and_attend(q, k, v.reshape(num_tokens, kv_heads, HEAD_DIM), k1, v1, meta)
+    fused = backend.rope_store_attend(qkv, rotary.cos, rotary.sin, positions, k2, v2, meta, heads)
+    if dtype == torch.float32:  # same roundings as torch: bit for bit
+        assert torch.equal(k1, k2) and torch.equal(v1, v2) and torch.equal(unfused, fused)
+    else:  # torch rounds each bf16/fp16 product; the kernel rounds once
+        torch.testing.assert_close(k1.float(), k2.float(), atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(unfused.float(), fused.float(), atol=2e-2, rtol=2e-2)

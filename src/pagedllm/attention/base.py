@@ -12,6 +12,7 @@ class AttentionBackend:
     through the block tables; ``store_and_attend`` does both (fused where a backend can)."""
 
     name = "base"
+    fuses_rope = False  # True: ``rope_store_attend`` takes the raw qkv rows and applies RoPE itself
 
     def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  meta: AttentionMetadata) -> None:

@@ -55,6 +55,7 @@ class CpuBackend(AttentionBackend):
     """Paged attention through the compiled C++ kernel; same interface as the reference."""
 
     name = "cpu"
+    fuses_rope = True
 
     def __init__(self, scale: float, module=None) -> None:
         self.scale = scale
@@ -69,6 +70,14 @@ class CpuBackend(AttentionBackend):
                 meta: AttentionMetadata) -> torch.Tensor:
         return self.ops.paged_attention(query, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
                                         meta.block_tables, self.scale)
+
+    def rope_store_attend(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                          k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                          num_heads: int) -> torch.Tensor:
+        """One call into C++ per layer: RoPE on q/k, K/V stored into their slots, attention."""
+        return self.ops.rope_store_attend(qkv, cos, sin, positions, k_cache, v_cache, meta.slot_mapping,
+                                          meta.query_start_loc, meta.seq_lens, meta.block_tables, self.scale,
+                                          num_heads)
 
     def store_and_attend(self, query, key, value, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         """One call into C++: store the new K/V rows into their slots, then attend."""

@@ -2,7 +2,7 @@
 
 Fills the engine with ``batch`` requests, prefills them, then times ``steps`` decode steps and
 splits the step time into: dense matmuls (``aten::mm``/``addmm`` from the torch profiler),
-attention (the backend's ``store_and_attend``, timed around the calls), the other torch ops
+attention (the backend's fused call, with RoPE and the K/V store where it fuses them), the other torch ops
 (norms, RoPE, activations, argmax...), and the rest: Python in the scheduler, runner, sampler
 and detokenizer.
 """
@@ -46,7 +46,7 @@ def main(args) -> dict:
         engine.step()
     attention = [0.0]
     backend = engine.runner.backend
-    _timed(backend, "store_and_attend", attention)
+    _timed(backend, "rope_store_attend" if backend.fuses_rope else "store_and_attend", attention)
     t0 = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(args.steps):

@@ -29,7 +29,12 @@ class Attention(nn.Module):
 
     def forward(self, x, positions, rotary: RotaryEmbedding, k_cache, v_cache, meta, backend):
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)
+        if backend.fuses_rope:
+            out = backend.rope_store_attend(qkv, rotary.cos, rotary.sin, positions, k_cache, v_cache, meta,
+                                            self.num_heads)
+            return self.o_proj(out.reshape(t, self.q_size))
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)

@@ -267,6 +267,67 @@ void store_kv(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, tor
   });
 }
 
+// RoPE (rotate-half convention) on one row of `heads` heads: out = x * cos + rotate_half(x) * sin,
+// each product rounded before the sum, as torch computes it (no FMA contraction), so float32
+// results equal the unfused path bit for bit.
+template <typename T>
+__attribute__((optimize("fp-contract=off"))) void rope_row(const T* x, const T* cos, const T* sin, T* out,
+                                                           int64_t heads, int64_t D) {
+  const int64_t half = D / 2;
+  for (int64_t h = 0; h < heads; ++h) {
+    const T* xh = x + h * D;
+    T* oh = out + h * D;
+    for (int64_t d = 0; d < half; ++d) {
+      const float x1 = static_cast<float>(xh[d]), x2 = static_cast<float>(xh[d + half]);
+      const float a = x1 * static_cast<float>(cos[d]), b = x2 * static_cast<float>(sin[d]);
+      const float c = x2 * static_cast<float>(cos[d + half]), e = x1 * static_cast<float>(sin[d + half]);
+      oh[d] = static_cast<T>(a - b);
+      oh[d + half] = static_cast<T>(c + e);
+    }
+  }
+}
+
+// The whole attention block after the QKV projection, in one call per layer: RoPE on q and k
+// (from the fused qkv rows [T, (H + 2 KH) * D]), k and v stored into their slots (padding skipped),
+// then paged attention of the rotated q. Returns [T, H, D].
+torch::Tensor rope_store_attend(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor positions,
+                                torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slot_mapping,
+                                torch::Tensor query_start_loc, torch::Tensor seq_lens, torch::Tensor block_tables,
+                                double scale, int64_t H) {
+  check_cache(k_cache, v_cache);
+  qkv = qkv.contiguous();
+  TORCH_CHECK(qkv.dtype() == k_cache.dtype() && cos.dtype() == qkv.dtype() && sin.dtype() == qkv.dtype(),
+              "qkv, cos/sin and the cache must share a dtype");
+  const int64_t T = qkv.size(0), KH = k_cache.size(2), D = k_cache.size(3), row = KH * D;
+  TORCH_CHECK(qkv.size(1) == (H + 2 * KH) * D, "qkv rows do not match the head layout");
+  auto pos = positions.to(torch::kLong).contiguous();
+  auto slots = slot_mapping.to(torch::kLong).contiguous();
+  auto query = torch::empty({T, H, D}, qkv.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rope_store", [&] {
+    const scalar_t* src = qkv.data_ptr<scalar_t>();
+    const scalar_t* cs = cos.data_ptr<scalar_t>();
+    const scalar_t* sn = sin.data_ptr<scalar_t>();
+    scalar_t* q = query.data_ptr<scalar_t>();
+    scalar_t* kc = k_cache.data_ptr<scalar_t>();
+    scalar_t* vc = v_cache.data_ptr<scalar_t>();
+    const int64_t* p = pos.data_ptr<int64_t>();
+    const int64_t* sl = slots.data_ptr<int64_t>();
+    const int64_t stride = (H + 2 * KH) * D;
+    at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const scalar_t* r = src + t * stride;
+        const scalar_t* c = cs + p[t] * D;
+        const scalar_t* s = sn + p[t] * D;
+        rope_row(r, c, s, q + t * H * D, H, D);
+        if (sl[t] < 0) continue;
+        rope_row(r + H * D, c, s, kc + sl[t] * row, KH, D);
+        std::copy(r + (H + KH) * D, r + (H + 2 * KH) * D, vc + sl[t] * row);
+      }
+    });
+  });
+  return paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale);
+}
+
 // The fused path: store the step's new K/V rows, then attend, in one call per layer.
 torch::Tensor store_and_attend(torch::Tensor query, torch::Tensor key, torch::Tensor value, torch::Tensor k_cache,
                                torch::Tensor v_cache, torch::Tensor slot_mapping, torch::Tensor query_start_loc,
@@ -279,4 +340,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "paged attention over a block table (CPU)");
   m.def("store_kv", &store_kv, "store K/V rows into their slots (CPU)");
   m.def("store_and_attend", &store_and_attend, "store K/V rows, then paged attention (CPU)");
+  m.def("rope_store_attend", &rope_store_attend, "RoPE on q/k, store K/V, paged attention (CPU)");
 }
