@@ -7,7 +7,7 @@ import torch
 
 from pagedllm.attention.cpu_kernel import CpuBackend, load_cpu_kernel
 from pagedllm.attention.reference import ReferenceBackend
-from tests.unit.test_reference_attention import HEAD_DIM, build_case, run_and_compare
+from tests.unit.test_reference_attention import HEAD_DIM, assert_matches_reference, build_case, run_and_compare
 
 B = 16
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -41,16 +41,7 @@ def test_gqa_ratios_and_block_sizes(backend, num_heads, num_kv_heads, block_size
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_equals_the_reference_output_and_cache_writes(backend, dtype):
-    case = [(4096, 1), (77, 1), (500, 40), (16, 16)]
-    k1, v1, query, new_k, new_v, meta, _ = build_case(case, B, 9, 3, dtype, seed=5)
-    k2, v2 = k1.clone(), v1.clone()
-    ref = ReferenceBackend(HEAD_DIM ** -0.5)
-    ref.write_kv(k1, v1, new_k, new_v, meta)
-    backend.write_kv(k2, v2, new_k, new_v, meta)
-    assert torch.equal(k1, k2) and torch.equal(v1, v2)
-    tol = dict(atol=1e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
-    torch.testing.assert_close(backend.forward(query, k2, v2, meta).float(),
-                               ref.forward(query, k1, v1, meta).float(), **tol)
+    assert_matches_reference(backend, [(4096, 1), (77, 1), (500, 40), (16, 16)], 9, 3, dtype, seed=5)
 
 
 def test_store_skips_padding_slots(backend):

@@ -77,6 +77,19 @@ def run_and_compare(ctx_and_new, block_size=16, num_heads=6, num_kv_heads=2, dty
         row += q.shape[0]
 
 
+def assert_matches_reference(backend, case, heads, kv_heads, dtype, seed):
+    """``backend`` writes the same cache bytes as the reference and gives the same attention output."""
+    k1, v1, query, new_k, new_v, meta, _ = build_case(case, 16, heads, kv_heads, dtype, seed=seed)
+    k2, v2 = k1.clone(), v1.clone()
+    ref = ReferenceBackend(HEAD_DIM ** -0.5)
+    ref.write_kv(k1, v1, new_k, new_v, meta)
+    backend.write_kv(k2, v2, new_k, new_v, meta)
+    assert torch.equal(k1, k2) and torch.equal(v1, v2)
+    tol = dict(atol=1e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(backend.forward(query, k2, v2, meta).float(),
+                               ref.forward(query, k1, v1, meta).float(), **tol)
+
+
 B = 16
 
 

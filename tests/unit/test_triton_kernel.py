@@ -3,19 +3,11 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-from pagedllm.attention.reference import ReferenceBackend
-from tests.unit.test_reference_attention import HEAD_DIM, build_case, run_and_compare
-
-triton = pytest.importorskip("triton", reason="triton is a dev dependency; install with make")
-if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("no GPU and TRITON_INTERPRET is not set", allow_module_level=True)
-
-from pagedllm.attention.triton_kernel import TritonBackend  # noqa: E402
+from pagedllm.attention.triton_kernel import TritonBackend
+from tests.unit.test_reference_attention import HEAD_DIM, assert_matches_reference, run_and_compare
 
 B = 16
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -50,15 +42,7 @@ def test_long_context_decode(backend):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_store_and_attention_equal_the_reference(backend, dtype):
-    k1, v1, query, new_k, new_v, meta, _ = build_case([(50, 1), (30, 9)], B, 6, 2, dtype, seed=4)
-    k2, v2 = k1.clone(), v1.clone()
-    ref = ReferenceBackend(HEAD_DIM ** -0.5)
-    ref.write_kv(k1, v1, new_k, new_v, meta)
-    backend.write_kv(k2, v2, new_k, new_v, meta)
-    assert torch.equal(k1, k2) and torch.equal(v1, v2)
-    tol = dict(atol=1e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
-    torch.testing.assert_close(backend.forward(query, k2, v2, meta).float(),
-                               ref.forward(query, k1, v1, meta).float(), **tol)
+    assert_matches_reference(backend, [(50, 1), (30, 9)], 6, 2, dtype, seed=4)
 
 
 def test_store_skips_padding_slots(backend):
