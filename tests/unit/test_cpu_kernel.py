@@ -107,3 +107,15 @@ def test_fused_rope_store_attend_equals_the_unfused_path(backend, dtype):
     else:  # torch rounds each bf16/fp16 product; the kernel rounds once
         torch.testing.assert_close(k1.float(), k2.float(), atol=2e-2, rtol=2e-2)
         torch.testing.assert_close(unfused.float(), fused.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_head_dims_match_dense(monkeypatch, head_dim, dtype):
+    """Head dims 64 and 128 take the vector-register path compiled for them (32 above is generic)."""
+    import tests.unit.test_reference_attention as tra
+
+    monkeypatch.setattr(tra, "HEAD_DIM", head_dim)
+    backend = CpuBackend(head_dim ** -0.5, load_cpu_kernel())
+    run_and_compare([(1, 1), (B + 1, 1), (2048, 1), (300, 40), (33, 33)], num_heads=9, num_kv_heads=3,
+                    dtype=dtype, backend=backend)
