@@ -7,6 +7,7 @@ blocks used / total). ``chat`` is an interactive conversation with the chat temp
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 import time
 
@@ -158,30 +159,8 @@ class _Tee:
 
 
 def cmd_bench(args) -> int:
-    from pagedllm.bench import throughput
-
-    throughput.main(args)
-    return 0
-
-
-def cmd_kv_bench(args) -> int:
-    from pagedllm.bench import kv_bench
-
-    kv_bench.main(args)
-    return 0
-
-
-def cmd_attention_bench(args) -> int:
-    from pagedllm.bench import attention_bench
-
-    attention_bench.main(args)
-    return 0
-
-
-def cmd_step_bench(args) -> int:
-    from pagedllm.bench import step_profile
-
-    step_profile.main(args)
+    """Run the benchmark module named by the subcommand (imported only when asked for)."""
+    importlib.import_module(f"pagedllm.bench.{args.bench_module}").main(args)
     return 0
 
 
@@ -201,33 +180,32 @@ def make_parser() -> argparse.ArgumentParser:
     chat.set_defaults(func=cmd_chat, max_tokens=512)
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(dest="bench", required=True)
-    tp = bsub.add_parser("throughput", help="pagedllm vs HF transformers padded batched generate")
-    tp.add_argument("--model", default=None)
-    tp.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+
+    def bench_parser(name: str, help_text: str, module: str, engine_options: bool = True) -> argparse.ArgumentParser:
+        p = bsub.add_parser(name, help=help_text)
+        p.set_defaults(func=cmd_bench, bench_module=module)
+        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--json", default=None, help="also write the report to this file")
+        if engine_options:
+            p.add_argument("--model", default=None)
+            p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+            p.add_argument("--block-size", type=int, default=16)
+            p.add_argument("--kv-cache-memory", default="512MiB")
+        return p
+
+    def kv_parser(name: str, help_text: str) -> argparse.ArgumentParser:
+        p = bench_parser(name, help_text, "kv_bench")
+        p.add_argument("--plot", default=None, help="also draw a PNG plot to this file")
+        return p
+
+    tp = bench_parser("throughput", "pagedllm vs HF transformers padded batched generate", "throughput")
     tp.add_argument("--num-requests", type=int, default=32)
     tp.add_argument("--prompt-len", default="32:512", help="N or MIN:MAX (uniform)")
     tp.add_argument("--output-len", default="16:256", help="N or MIN:MAX (uniform)")
     tp.add_argument("--hf-batch-size", type=int, default=32)
-    tp.add_argument("--block-size", type=int, default=16)
-    tp.add_argument("--kv-cache-memory", default="512MiB")
     tp.add_argument("--max-num-seqs", type=int, default=64)
     tp.add_argument("--max-num-batched-tokens", type=int, default=1024)
-    tp.add_argument("--seed", type=int, default=0)
     tp.add_argument("--skip-hf", action="store_true", help="measure pagedllm only")
-    tp.add_argument("--json", default=None, help="also write the report to this file")
-    tp.set_defaults(func=cmd_bench)
-
-    def kv_parser(name: str, help_text: str) -> argparse.ArgumentParser:
-        p = bsub.add_parser(name, help=help_text)
-        p.add_argument("--model", default=None)
-        p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-        p.add_argument("--block-size", type=int, default=16)
-        p.add_argument("--kv-cache-memory", default="512MiB")
-        p.add_argument("--seed", type=int, default=0)
-        p.add_argument("--json", default=None, help="also write the report to this file")
-        p.add_argument("--plot", default=None, help="also draw a PNG plot to this file")
-        p.set_defaults(func=cmd_kv_bench)
-        return p
 
     pc = kv_parser("prefix-cache", "multi-turn chat TTFT with prefix caching on vs off")
     pc.add_argument("--conversations", type=int, default=2)
@@ -247,7 +225,8 @@ def make_parser() -> argparse.ArgumentParser:
     fr.add_argument("--output-len", default="16:256")
     fr.add_argument("--max-model-len", type=int, default=2048)
     fr.add_argument("--max-num-seqs", type=int, default=64)
-    at = bsub.add_parser("attention", help="paged-attention backends vs contiguous SDPA (decode)")
+    at = bench_parser("attention", "paged-attention backends vs contiguous SDPA (decode)", "attention_bench",
+                      engine_options=False)
     at.add_argument("--batch", default="1,8,32,64")
     at.add_argument("--context", default="128,512,2048,4096")
     at.add_argument("--block-size", default="16")
@@ -255,19 +234,12 @@ def make_parser() -> argparse.ArgumentParser:
     at.add_argument("--backends", default="cpu,reference")
     at.add_argument("--repeats", type=int, default=10)
     at.add_argument("--device", default="cpu")
-    at.add_argument("--seed", type=int, default=0)
-    at.add_argument("--json", default=None)
     at.add_argument("--plot", default=None)
-    at.set_defaults(func=cmd_attention_bench)
-    sp = bsub.add_parser("step", help="where one decode step's time goes")
-    sp.add_argument("--model", default=None)
-    sp.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    sp = bench_parser("step", "where one decode step's time goes", "step_profile")
     sp.add_argument("--attention-backend", default="auto", choices=["auto", "cpu", "reference"])
     sp.add_argument("--batch", type=int, default=32)
     sp.add_argument("--context", type=int, default=128)
     sp.add_argument("--steps", type=int, default=20)
-    sp.add_argument("--json", default=None)
-    sp.set_defaults(func=cmd_step_bench)
     pr = kv_parser("preemption", "recompute vs swap preemption on a pool too small for the load")
     pr.add_argument("--num-requests", type=int, default=16)
     pr.add_argument("--prompt-len", default="64:256")

@@ -36,7 +36,3 @@ class AttentionMetadata:
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens_list)
-
-    @property
-    def num_prefills(self) -> int:
-        return self.num_seqs - self.num_decodes

@@ -33,7 +33,7 @@ def main(args) -> dict:
     from pagedllm import LLM, SamplingParams
 
     llm = LLM(model=args.model, dtype=args.dtype, attention_backend=args.attention_backend,
-              max_num_seqs=max(64, args.batch))
+              block_size=args.block_size, kv_cache_memory=args.kv_cache_memory, max_num_seqs=max(64, args.batch))
     engine = llm.engine
     gen = torch.Generator().manual_seed(0)
     vocab = engine.config.model.vocab_size

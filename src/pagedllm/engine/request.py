@@ -46,7 +46,6 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     first_token_time: float | None = None
     num_preemptions: int = 0
-    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
     # parallel sampling (n > 1): siblings that fork from this request when its prompt is computed
     pending_forks: list[Request] = field(default_factory=list)
     parent_id: str | None = None

@@ -91,10 +91,6 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running) + len(self.swapped)
-
     # -- one step ----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -143,7 +139,6 @@ class Scheduler:
                 if req.num_preemptions == 0:  # count each prompt once, not its recomputations
                     self.kv.record_prefix_query(req.num_tokens, num_cached)
                 req.num_computed_tokens = num_cached
-                req.num_cached_tokens = max(req.num_cached_tokens, num_cached)
                 self.waiting.popleft()
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)

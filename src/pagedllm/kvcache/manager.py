@@ -188,9 +188,6 @@ class KVCacheManager:
         self.free(request_id, keep_hashes=True, keep_host=True)
         return True
 
-    def is_swapped(self, request_id: str) -> bool:
-        return request_id in self._host_tables
-
     def swap_in(self, request_id: str, num_slots: int) -> bool:
         """Give a swapped-out request fresh device blocks for its ``num_slots`` computed slots and
         schedule the copy back. False (nothing changed) if the device pool cannot hold them."""
