@@ -53,6 +53,13 @@ def parity_prompts(smollm_fp32) -> list[list[int]]:
     return [ids[:1], ids[:7], ids[:15], ids[:16], ids[:17], chat, ids[:64], ids[:97]]
 
 
+@pytest.fixture(scope="session")
+def hf_parity_expected(hf_smollm_fp32, smollm_fp32, parity_prompts) -> list[list[int]]:
+    """HF transformers' greedy continuation (32 tokens) of each parity prompt, generated alone."""
+    eos = sorted(smollm_fp32.engine.eos_token_ids)
+    return [hf_greedy(hf_smollm_fp32, p, 32, eos_token_id=eos) for p in parity_prompts]
+
+
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_token_id=None) -> list[int]:
     """HF transformers greedy generation of one prompt alone; returns only the new token ids."""
     inp = torch.tensor([prompt_ids])

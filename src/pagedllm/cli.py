@@ -25,6 +25,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=1024)
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--attention-backend", default="auto", choices=["auto", "cpu", "triton", "reference"])
+    g.add_argument("--quantization", default="auto", choices=["auto", "none", "gguf"],
+                   help="gguf: small steps read the GGUF's 4/8-bit weights (auto: on CPU in bf16/fp16)")
     g.add_argument("--no-prefix-caching", action="store_true", help="turn automatic prefix caching off")
     g.add_argument("--eviction-policy", default="lru", choices=["lru", "lfu", "lru-lfu", "size-weighted"])
     g.add_argument("--kv-layout", default="paged", choices=["paged", "contiguous"])
@@ -52,7 +54,8 @@ def build_llm(args):
                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                max_model_len=args.max_model_len, seed=args.seed, attention_backend=args.attention_backend,
                enable_prefix_caching=not args.no_prefix_caching, eviction_policy=args.eviction_policy,
-               kv_layout=args.kv_layout, preemption_mode=args.preemption_mode, swap_space=args.swap_space)
+               kv_layout=args.kv_layout, preemption_mode=args.preemption_mode, swap_space=args.swap_space,
+               quantization=args.quantization)
 
 
 def sampling_params(args):
@@ -191,6 +194,7 @@ def make_parser() -> argparse.ArgumentParser:
             p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
             p.add_argument("--block-size", type=int, default=16)
             p.add_argument("--kv-cache-memory", default="512MiB")
+            p.add_argument("--quantization", default="auto", choices=["auto", "none", "gguf"])
         return p
 
     def kv_parser(name: str, help_text: str) -> argparse.ArgumentParser:

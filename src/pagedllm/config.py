@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 MIN_BLOCK_SIZE = 8
 MAX_BLOCK_SIZE = 128
+QUANTIZATIONS = ("auto", "none", "gguf")
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 _SIZE_UNITS = {
@@ -157,7 +158,10 @@ class EngineConfig:
     dtype: str = "float32"
     device: str = "cpu"
     seed: int = 0
+    quantization: str = "none"   # resolved: "none" or "gguf" (see Engine.from_options for "auto")
 
     def __post_init__(self) -> None:
         if self.dtype not in SUPPORTED_DTYPES[1:]:
             raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES[1:]}, got {self.dtype!r}")
+        if self.quantization not in QUANTIZATIONS[1:]:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS[1:]}, got {self.quantization!r}")

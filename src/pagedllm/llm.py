@@ -26,7 +26,8 @@ class LLM:
         kv_cache_memory="512MiB", num_kv_blocks=None, max_num_seqs=64, max_num_batched_tokens=1024,
         max_model_len=None, seed=0, device="cpu", attention_backend="auto",
         enable_prefix_caching=True, eviction_policy="lru", kv_layout="paged",
-        contiguous_reservation="max_model_len", preemption_mode="recompute", swap_space="256MiB"."""
+        contiguous_reservation="max_model_len", preemption_mode="recompute", swap_space="256MiB",
+        quantization="auto"."""
         self.engine = Engine.from_options(model=model, **engine_options)
 
     def get_tokenizer(self):

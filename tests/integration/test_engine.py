@@ -179,3 +179,23 @@ def test_contiguous_layout_gives_the_paged_outputs(batched_reference, reservatio
     assert llm.kv_cache_stats()["kv_layout"] == "contiguous"
     assert token_ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == together
     assert_all_free(llm)
+
+
+def test_quantization_option_resolves_and_rejects_what_cannot_apply(tmp_path):
+    from pagedllm.engine.engine import resolve_quantization
+    from pagedllm.models.loader import default_model_path, load_weights
+    from tests.conftest import make_tiny_checkpoint
+
+    gguf = load_weights(default_model_path())
+    assert resolve_quantization("auto", gguf, "bfloat16", "cpu") == "gguf"
+    assert resolve_quantization("auto", gguf, "float32", "cpu") == "none"  # exact HF parity by default
+    assert resolve_quantization("auto", gguf, "bfloat16", "cuda") == "none"
+    assert resolve_quantization("none", gguf, "bfloat16", "cpu") == "none"
+    with pytest.raises(ValueError, match="CPU only"):
+        resolve_quantization("gguf", gguf, "bfloat16", "cuda")
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        resolve_quantization("int3", gguf, "bfloat16", "cpu")
+    folder = make_tiny_checkpoint(tmp_path / "llama", "llama")
+    with pytest.raises(ValueError, match="needs a GGUF model"):
+        LLM(model=folder, dtype="bfloat16", quantization="gguf", num_kv_blocks=16)
+    assert LLM(model=folder, dtype="bfloat16", num_kv_blocks=16).engine.config.quantization == "none"

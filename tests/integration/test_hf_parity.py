@@ -12,16 +12,32 @@ NEW_TOKENS = 32
 
 
 @pytest.mark.slow
-def test_smollm_batched_equals_hf_alone(smollm_fp32, hf_smollm_fp32, parity_prompts):
+def test_smollm_batched_equals_hf_alone(smollm_fp32, hf_parity_expected, parity_prompts):
+    assert smollm_fp32.engine.config.quantization == "none"  # float32 keeps dense weights only
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
     ours = smollm_fp32.generate([{"prompt_token_ids": p} for p in parity_prompts], params, use_tqdm=False)
-    eos = sorted(smollm_fp32.engine.eos_token_ids)
-    for prompt, out in zip(parity_prompts, ours, strict=True):
-        expected = hf_greedy(hf_smollm_fp32, prompt, NEW_TOKENS, eos_token_id=eos)
+    for prompt, out, expected in zip(parity_prompts, ours, hf_parity_expected, strict=True):
         assert out.outputs[0].token_ids == expected, f"prompt of {len(prompt)} tokens diverged"
     stats = smollm_fp32.kv_cache_stats()
     assert stats["num_free_blocks"] == stats["num_blocks"]
     smollm_fp32.engine.kv_manager.check_invariants()
+
+
+@pytest.mark.slow
+def test_gguf_quantized_decode_in_float32_equals_hf(hf_parity_expected, parity_prompts):
+    """quantization="gguf": decode steps (<= 8 rows) read the GGUF's own 4/8-bit blocks, prefill the
+    dense copy; both are the same weights, so float32 greedy tokens still equal HF's."""
+    llm = LLM(dtype="float32", quantization="gguf", kv_cache_memory="256MiB")
+    assert llm.engine.config.quantization == "gguf"
+    model = llm.engine.runner.model
+    assert all(lin.small_batch is not None for layer in model.layers
+               for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                           layer.mlp.down_proj))
+    assert model.logits_small_batch is not None
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
+    ours = llm.generate([{"prompt_token_ids": p} for p in parity_prompts], params, use_tqdm=False)
+    for prompt, out, expected in zip(parity_prompts, ours, hf_parity_expected, strict=True):
+        assert out.outputs[0].token_ids == expected, f"prompt of {len(prompt)} tokens diverged"
 
 
 @pytest.mark.parametrize("backend", ["cpu", "reference", "triton"])

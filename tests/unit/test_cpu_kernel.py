@@ -60,8 +60,8 @@ def test_without_a_compiler_auto_falls_back_to_the_reference_and_says_so_once(mo
     def no_compiler(*args, **kwargs):
         raise RuntimeError("error: command 'c++' failed: No such file or directory")
 
-    monkeypatch.setattr(ck, "_module", None)
-    monkeypatch.setattr(ck, "_failure", None)
+    monkeypatch.setattr(ck.EXTENSION, "module", None)
+    monkeypatch.setattr(ck.EXTENSION, "failure", None)
     monkeypatch.setattr("torch.utils.cpp_extension.load", no_compiler)
     with caplog.at_level("WARNING"):
         assert ck.load_cpu_kernel() is None

@@ -8,47 +8,21 @@ selector then falls back to the reference.
 
 from __future__ import annotations
 
-import hashlib
-import logging
-import os
-import platform
 from pathlib import Path
 
 import torch
 
 from pagedllm.attention.base import AttentionBackend
 from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.cpu_extension import CppExtension
 
-log = logging.getLogger(__name__)
-SOURCE = Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp"
-_module = None
-_failure: str | None = None
+EXTENSION = CppExtension("pagedllm_cpu", Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp",
+                         "the C++ paged-attention kernel", "using the reference backend")
 
 
 def load_cpu_kernel():
     """The compiled extension module, or None if it cannot be built here."""
-    global _module, _failure
-    if _module is not None or _failure is not None:
-        return _module
-    from torch.utils import cpp_extension
-
-    from pagedllm.models.tokenizer import cache_dir
-
-    src = SOURCE.read_bytes()
-    key = hashlib.sha1(src + torch.__version__.encode() + platform.machine().encode()).hexdigest()[:12]
-    build = cache_dir() / "kernels" / key
-    build.mkdir(parents=True, exist_ok=True)
-    try:
-        _module = cpp_extension.load(
-            name=f"pagedllm_cpu_{key}", sources=[str(SOURCE)], build_directory=str(build),
-            extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
-            verbose=bool(os.environ.get("PAGEDLLM_VERBOSE_BUILD")))
-    except Exception as e:  # noqa: BLE001 - no compiler, no ninja, bad flags: all mean "not here"
-        _failure = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
-        log.warning("the C++ paged-attention kernel could not be built (%s); using the reference backend",
-                    _failure)
-        return None
-    return _module
+    return EXTENSION.load()
 
 
 class CpuBackend(AttentionBackend):
@@ -61,7 +35,7 @@ class CpuBackend(AttentionBackend):
         self.scale = scale
         self.ops = module or load_cpu_kernel()
         if self.ops is None:
-            raise RuntimeError(f"the C++ kernel is unavailable: {_failure}")
+            raise RuntimeError(f"the C++ kernel is unavailable: {EXTENSION.failure}")
 
     def write_kv(self, k_cache, v_cache, key, value, meta: AttentionMetadata) -> None:
         self.ops.store_kv(key, value, k_cache, v_cache, meta.slot_mapping)

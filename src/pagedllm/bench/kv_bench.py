@@ -31,7 +31,8 @@ def machine() -> str:
 def _llm(args, **overrides):
     from pagedllm import LLM
 
-    opts = dict(model=args.model, dtype=args.dtype, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory)
+    opts = dict(model=args.model, dtype=args.dtype, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
+                quantization=args.quantization)
     opts.update(overrides)
     return LLM(**opts)
 

@@ -1,10 +1,10 @@
 """``pagedllm bench step``: where one decode step's time goes, at a given batch size.
 
 Fills the engine with ``batch`` requests, prefills them, then times ``steps`` decode steps and
-splits the step time into: dense matmuls (``aten::mm``/``addmm`` from the torch profiler),
-attention (the backend's fused call, with RoPE and the K/V store where it fuses them), the other torch ops
-(norms, RoPE, activations, argmax...), and the rest: Python in the scheduler, runner, sampler
-and detokenizer.
+splits the step time into: matmuls (dense ``aten::mm``/``addmm`` and the int4 weight-only matmul
+from the torch profiler, plus the C++ Q8_0 LM head, timed), attention (the backend's fused call,
+with RoPE and the K/V store where it fuses them), the other ops (norms and activations, in C++ or
+torch, argmax, ...), and the rest: Python in the model, scheduler, runner, sampler and detokenizer.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ def main(args) -> dict:
     from pagedllm import LLM, SamplingParams
 
     llm = LLM(model=args.model, dtype=args.dtype, attention_backend=args.attention_backend,
+              quantization=args.quantization,
               block_size=args.block_size, kv_cache_memory=args.kv_cache_memory, max_num_seqs=max(64, args.batch))
     engine = llm.engine
     gen = torch.Generator().manual_seed(0)
@@ -44,32 +45,40 @@ def main(args) -> dict:
         engine.step()
     for _ in range(3):
         engine.step()
-    attention = [0.0]
+    attention, cpp_matmul, cpp_other = [0.0], [0.0], [0.0]
     backend = engine.runner.backend
     _timed(backend, "rope_store_attend" if backend.fuses_rope else "store_and_attend", attention)
+    layer_ops = engine.runner.model.layer_ops
+    if hasattr(layer_ops, "q8_0_linear"):  # C++ ops: invisible to the torch profiler, so timed here
+        _timed(layer_ops, "q8_0_linear", cpp_matmul)
+        for name in ("rms_norm", "add_rms_norm", "silu_mul"):
+            _timed(layer_ops, name, cpp_other)
     t0 = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(args.steps):
             engine.step()
     total = (time.perf_counter() - t0) / args.steps
     ops = {e.key: e.self_cpu_time_total / 1e6 / args.steps for e in prof.key_averages()}
-    matmul = sum(v for k, v in ops.items() if k in ("aten::mm", "aten::addmm", "aten::linear", "aten::bmm"))
-    other_ops = sum(v for k, v in ops.items() if k.startswith("aten::")) - matmul
+    matmul_ops = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_weight_int4pack_mm_for_cpu")
+    matmul = sum(v for k, v in ops.items() if k in matmul_ops) + cpp_matmul[0] / args.steps
+    other_ops = sum(v for k, v in ops.items() if k.startswith("aten::") and k not in matmul_ops) + (
+        cpp_other[0] / args.steps)
     attention_s = attention[0] / args.steps
     # the profiler's own bookkeeping inflates the step; report shares of the profiled step
     glue = max(0.0, total - matmul - attention_s - other_ops)
     parts = {"matmul (linear layers, LM head)": matmul, "attention (write K/V + paged attention)": attention_s,
-             "other torch ops": max(0.0, other_ops), "Python and glue": glue}
+             "other ops (norms, activations, argmax...)": max(0.0, other_ops), "Python and glue": glue}
     t1 = time.perf_counter()
     for _ in range(args.steps):
         engine.step()
     plain = (time.perf_counter() - t1) / args.steps
     report = {"batch": args.batch, "context": args.context, "dtype": engine.config.dtype,
-              "backend": backend.name, "step_ms": round(plain * 1000, 2),
+              "backend": backend.name, "quantization": engine.config.quantization, "step_ms": round(plain * 1000, 2),
               "tokens_per_s": round(args.batch / plain, 1),
               "profiled_step_ms": round(total * 1000, 2),
               "parts_ms": {k: round(v * 1000, 2) for k, v in parts.items()}}
-    print(f"batch {args.batch}, context ~{args.context}, {engine.config.dtype}, {backend.name} attention: "
+    print(f"batch {args.batch}, context ~{args.context}, {engine.config.dtype}, {backend.name} attention, "
+          f"quantization {engine.config.quantization}: "
           f"{report['step_ms']} ms per decode step = {report['tokens_per_s']} tok/s")
     print(f"{'part':<42}{'ms/step':>9}{'share':>8}   (profiled step {report['profiled_step_ms']} ms)")
     for k, v in parts.items():

@@ -104,7 +104,7 @@ def main(args) -> dict:
     output_len = parse_range(args.output_len, "--output-len")
     llm = LLM(model=args.model, dtype=args.dtype, block_size=args.block_size,
               kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens)
+              max_num_batched_tokens=args.max_num_batched_tokens, quantization=args.quantization)
     cfg = llm.engine.config
     requests = random_workload(args.num_requests, prompt_len, output_len, cfg.model.vocab_size, args.seed)
     warm = random_workload(2, (16, 16), (4, 4), cfg.model.vocab_size, args.seed + 1)

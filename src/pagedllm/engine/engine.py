@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedllm.attention.backends import get_backend
-from pagedllm.config import CacheConfig, EngineConfig, SchedulerConfig, parse_bytes
+from pagedllm.config import QUANTIZATIONS, CacheConfig, EngineConfig, SchedulerConfig, parse_bytes
 from pagedllm.engine.model_runner import ModelRunner
 from pagedllm.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagedllm.engine.request import Request, RequestStatus
@@ -27,8 +27,9 @@ from pagedllm.kvcache.contiguous import ContiguousKVCacheManager
 from pagedllm.kvcache.manager import KVCacheManager
 from pagedllm.kvstore.host_tier import HostTier
 from pagedllm.kvstore.storage import KVCacheStorage, bytes_per_block, num_blocks_for
+from pagedllm.models.layer_ops import get_layer_ops
 from pagedllm.models.llama import LlamaForCausalLM
-from pagedllm.models.loader import load_weights, resolve_dtype, resolve_model_path
+from pagedllm.models.loader import LoadedWeights, load_weights, resolve_dtype, resolve_model_path
 from pagedllm.models.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
@@ -80,6 +81,20 @@ class _Group:
         return all(s.finish_reason is not None for s in self.seqs)
 
 
+def resolve_quantization(quantization: str, weights: LoadedWeights, dtype: str, device: str) -> str:
+    """``auto`` -> ``gguf`` for a GGUF with Q4_0/Q4_1/Q8_0 tensors on CPU in bf16/fp16 (the fast
+    path), else ``none``; an explicit ``gguf`` that cannot apply is an error."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
+    usable = bool(weights.quantized) and device == "cpu"
+    if quantization == "auto":
+        return "gguf" if usable and dtype != "float32" else "none"
+    if quantization == "gguf" and not usable:
+        why = "runs on CPU only" if weights.quantized else "needs a GGUF model with Q4_0, Q4_1 or Q8_0 tensors"
+        raise ValueError(f"quantization='gguf' {why}")
+    return quantization
+
+
 class Engine:
     """Continuous-batching inference engine over a paged KV cache."""
 
@@ -122,7 +137,7 @@ class Engine:
                      attention_backend: str = "auto", enable_prefix_caching: bool = True,
                      eviction_policy: str = "lru", kv_layout: str = "paged",
                      contiguous_reservation: str = "max_model_len", preemption_mode: str = "recompute",
-                     swap_space: int | str = "256MiB") -> Engine:
+                     swap_space: int | str = "256MiB", quantization: str = "auto") -> Engine:
         """Load a model and build an engine; see ``LLM`` for what each option means."""
         cache = CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory, num_kv_blocks=num_kv_blocks,
                             enable_prefix_caching=enable_prefix_caching and kv_layout == "paged",
@@ -141,11 +156,16 @@ class Engine:
                              f"({mcfg.max_position_embeddings})")
         sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                 max_model_len=max_model_len, preemption_mode=preemption_mode)
-        config = EngineConfig(model=mcfg, cache=cache, scheduler=sched, dtype=resolve_dtype(dtype, device),
-                              device=device, seed=seed)
+        resolved_dtype = resolve_dtype(dtype, device)
+        config = EngineConfig(model=mcfg, cache=cache, scheduler=sched, dtype=resolved_dtype,
+                              device=device, seed=seed,
+                              quantization=resolve_quantization(quantization, weights, resolved_dtype, device))
         with torch.device("meta"):
-            net = LlamaForCausalLM(mcfg, _DTYPES[config.dtype], max_model_len, device=device)
+            net = LlamaForCausalLM(mcfg, _DTYPES[config.dtype], max_model_len, device=device,
+                                   layer_ops=get_layer_ops(device))
         net.load_hf_state_dict(weights.state_dict)
+        if config.quantization == "gguf":
+            net.use_gguf_quantized(weights.quantized)
         net.eval()
         del weights
         tokenizer = Tokenizer.load(path, path.suffix == ".gguf")

@@ -13,6 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.config import RopeScaling
+from pagedllm.models.layer_ops import rms_norm
+from pagedllm.models.quantized_linear import Linear
 
 
 class RMSNorm(nn.Module):
@@ -22,10 +24,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
@@ -76,8 +75,8 @@ class GatedMLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int) -> None:
         super().__init__()
         self.intermediate = intermediate
-        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=False)
+        self.down_proj = Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)

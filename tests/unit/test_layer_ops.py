@@ -1,0 +1,116 @@
+"""The C++ layer ops equal the torch ops that define their numerics; quantized matmuls equal dense ones."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from pagedllm.models.gguf_quant import decode_blocks
+from pagedllm.models.layer_ops import EXTENSION, CpuLayerOps, TorchLayerOps, get_layer_ops
+from pagedllm.models.quantized_linear import Int4Matmul, Int8BlockMatmul, Linear, quantized_matmul
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+TORCH = TorchLayerOps()
+
+
+@pytest.fixture(scope="module")
+def ops():
+    module = EXTENSION.load()
+    assert module is not None, "the C++ layer ops must build on this machine (g++ is installed)"
+    return CpuLayerOps(module)
+
+
+def close(a, b, dtype):
+    """Equal up to float32 summation order: one unit in the last place of the dtype."""
+    ulp = {torch.float32: 2e-6, torch.bfloat16: 2 ** -7, torch.float16: 2 ** -10}[dtype]
+    torch.testing.assert_close(a.float(), b.float(), rtol=ulp, atol=ulp)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 7, 64])
+def test_norms_equal_torch(ops, dtype, rows):
+    gen = torch.Generator().manual_seed(rows)
+    x, res = (torch.randn(rows, 576, generator=gen).to(dtype) for _ in range(2))
+    w = torch.randn(576, generator=gen).to(dtype)
+    close(ops.rms_norm(x, w, 1e-5), TORCH.rms_norm(x, w, 1e-5), dtype)
+    mine = res.clone()
+    normed, new_res = ops.add_rms_norm(x, mine, w, 1e-5)
+    expected, expected_res = TORCH.add_rms_norm(x, res, w, 1e-5)
+    assert new_res is mine and torch.equal(mine, expected_res)  # updated in place, rounded as torch adds
+    close(normed, expected, dtype)
+    first, residual = ops.add_rms_norm(x, None, w, 1e-5)  # first layer: the residual is the input
+    assert residual is x
+    close(first, TORCH.rms_norm(x, w, 1e-5), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_silu_mul_equals_torch(ops, dtype, rows):
+    gate_up = (torch.randn(rows, 2 * 1536, generator=torch.Generator().manual_seed(3)) * 6).to(dtype)
+    close(ops.silu_mul(gate_up), TORCH.silu_mul(gate_up), dtype)
+
+
+def gguf_weight(kind: str, n: int, k: int, seed: int = 0):
+    x = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32) * 0.1
+    blocks = decode_blocks(kind, gguf.quants.quantize(x, gguf.GGMLQuantizationType[kind]), n, k)
+    return blocks, blocks.dequantize()
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9])
+def test_q8_0_linear_equals_dense_float32(ops, rows):
+    blocks, dense = gguf_weight("Q8_0", 300, 192)
+    x = torch.randn(rows, 192, generator=torch.Generator().manual_seed(rows))
+    out = Int8BlockMatmul(blocks, ops)(x)
+    assert out.dtype == torch.float32 and out.shape == (rows, 300)
+    torch.testing.assert_close(out, x @ dense.T, rtol=1e-5, atol=1e-5)
+    close(Int8BlockMatmul(blocks, ops)(x.bfloat16()), x.bfloat16().float() @ dense.T, torch.bfloat16)
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_int4_matmul_equals_dense(kind, dtype):
+    blocks, dense = gguf_weight(kind, 96, 128, seed=4)
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(4))
+    out = Int4Matmul(blocks, dtype)(x.to(dtype))
+    assert out.dtype == dtype
+    tol = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 5e-3}[dtype]
+    torch.testing.assert_close(out.float(), x.to(dtype).float() @ dense.T, rtol=tol, atol=tol)
+
+
+def test_linear_uses_the_quantized_kernel_only_for_small_steps(ops):
+    blocks, dense = gguf_weight("Q4_1", 64, 64)
+    lin = Linear(64, 64, bias=True)
+    with torch.no_grad():
+        lin.weight.copy_(dense)
+        lin.bias.copy_(torch.arange(64.0))
+    calls = []
+    kernel = quantized_matmul(blocks, torch.float32, ops)
+
+    def spy(x):
+        calls.append(x.shape[0])
+        return kernel(x)
+
+    lin.use_quantized(spy, max_rows=4)
+    x = torch.randn(9, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(lin(x[:4]), torch.nn.functional.linear(x[:4], dense, lin.bias), rtol=1e-5,
+                                   atol=1e-5)
+        lin(x)
+    assert calls == [4]
+
+
+def test_without_a_compiler_layer_ops_fall_back_to_torch_and_say_so_once(monkeypatch, caplog):
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("error: command 'c++' failed: No such file or directory")
+
+    monkeypatch.setattr(EXTENSION, "module", None)
+    monkeypatch.setattr(EXTENSION, "failure", None)
+    monkeypatch.setattr("torch.utils.cpp_extension.load", no_compiler)
+    with caplog.at_level("WARNING"):
+        assert type(get_layer_ops("cpu")) is TorchLayerOps
+        assert type(get_layer_ops("cpu")) is TorchLayerOps
+    assert len([r for r in caplog.records if "layer ops could not be built" in r.getMessage()]) == 1
+    blocks, _ = gguf_weight("Q8_0", 32, 32)
+    assert quantized_matmul(blocks, torch.float32, TorchLayerOps()) is None  # Q8_0 needs the C++ kernel
