@@ -48,8 +48,12 @@ def test_norms_equal_torch(ops, dtype, rows):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 5, 64])
 def test_silu_mul_equals_torch(ops, dtype, rows):
-    gate_up = (torch.randn(rows, 2 * 1536, generator=torch.Generator().manual_seed(3)) * 6).to(dtype)
-    close(ops.silu_mul(gate_up), TORCH.silu_mul(gate_up), dtype)
+    gate_up = torch.randn(rows, 2 * 1536 + 8, generator=torch.Generator().manual_seed(3)) * 6
+    gate_up[0, [0, 1, 2, 1538]] = torch.tensor([100.0, -100.0, 0.0, -100.0])  # tails, vector and scalar lanes
+    gate_up = gate_up.to(dtype)
+    ours, theirs = ops.silu_mul(gate_up), TORCH.silu_mul(gate_up)
+    close(ours, theirs, dtype)
+    assert torch.equal(ours[0, [0, 1, 2, 1538]], theirs[0, [0, 1, 2, 1538]])  # -100 gives -0 as in F.silu
 
 
 def gguf_weight(kind: str, n: int, k: int, seed: int = 0):

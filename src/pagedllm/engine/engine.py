@@ -7,6 +7,8 @@ before it enters the queue, so a bad request never disturbs the others.
 
 from __future__ import annotations
 
+import atexit
+import gc
 import itertools
 import logging
 import time
@@ -173,6 +175,12 @@ class Engine:
         engine = cls(config, net, tokenizer, attention_backend)
         engine.load_seconds = load_seconds
         engine.model_path = path
+        # Everything alive now lives as long as the engine: keep it out of the cyclic GC's scans
+        # (hundreds of thousands of objects after importing torch and transformers), as vLLM does.
+        gc.collect()
+        gc.freeze()
+        atexit.unregister(gc.unfreeze)  # registered once per process
+        atexit.register(gc.unfreeze)    # let interpreter shutdown collect them as usual
         return engine
 
     # -- requests -------------------------------------------------------------------------------

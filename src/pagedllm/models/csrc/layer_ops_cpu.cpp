@@ -13,6 +13,8 @@
 
 #include <cmath>
 #include <cstring>
+#include <limits>
+#include <type_traits>
 
 namespace {
 
@@ -30,10 +32,13 @@ inline float hsum(v16 x) {
 template <typename T>
 inline float f32(T x) { return static_cast<float>(x); }
 
-// exp(x) by range reduction x = n ln2 + r and a degree-6 polynomial (~1 ulp), branch-free so
-// loops over it vectorise; arguments are clamped to [-87, 88] (silu's tails are unaffected).
-#pragma omp declare simd
+// exp(x) by range reduction x = n ln2 + r and a degree-6 polynomial (~1 ulp). Below -87 it
+// returns exp(-87) (1 + that is 1, as for the true value); above float's range it is +inf, as
+// torch's exp is, so silu's far negative tail is -0 exactly like F.silu.
+constexpr float kExpOverflow = 88.72283935546875f;
+
 inline float exp_clamped(float x) {
+  if (x > kExpOverflow) return std::numeric_limits<float>::infinity();
   x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
   const float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
   const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
@@ -103,13 +108,83 @@ struct Cvt<c10::BFloat16> {
 };
 
 template <typename T>
-void silu_mul_row(const T* gate, const T* up, T* out, int64_t I) {
-#pragma omp simd
-  for (int64_t i = 0; i < I; ++i) {
+void silu_mul_scalar(const T* gate, const T* up, T* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
     const float x = Cvt<T>::load(gate[i]);
     const float s = Cvt<T>::round(x / (1.0f + exp_clamped(-x)));
     out[i] = Cvt<T>::store(s * Cvt<T>::load(up[i]));
   }
+}
+
+#ifdef __AVX512F__
+// exp_clamped on 16 lanes (same reduction and polynomial).
+inline __m512 exp16(__m512 x) {
+  const __mmask16 overflow = _mm512_cmp_ps_mask(x, _mm512_set1_ps(kExpOverflow), _CMP_GT_OQ);
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                                      _mm512_set1_ps(0.5f)),
+                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_add_ps(_mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f))),
+                                 _mm512_mul_ps(n, _mm512_set1_ps(2.12194440e-4f)));
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mask_blend_ps(overflow, _mm512_mul_ps(p, _mm512_castsi512_ps(e)),
+                              _mm512_set1_ps(std::numeric_limits<float>::infinity()));
+}
+
+// 16 values of T <-> float32 lanes; round16 keeps a float rounded to T's precision (nearest even).
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline __m512i bf16_bits(__m512 x) {  // round to nearest even in the top 16 bits; NaN -> quiet NaN
+  const __m512i b = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7fff)), lsb);
+  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+  return _mm512_mask_blend_epi32(nan, _mm512_srli_epi32(rounded, 16), _mm512_set1_epi32(0x7fc0));
+}
+inline __m512 round16(__m512 x, const float*) { return x; }
+inline __m512 round16(__m512 x, const c10::BFloat16*) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(x), 16));
+}
+inline __m512 round16(__m512 x, const c10::Half*) {
+  return _mm512_cvtph_ps(_mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+inline void store16(float* p, __m512 x) { _mm512_storeu_ps(p, x); }
+inline void store16(c10::BFloat16* p, __m512 x) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bf16_bits(x)));
+}
+inline void store16(c10::Half* p, __m512 x) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+#endif
+
+template <typename T>
+void silu_mul_row(const T* gate, const T* up, T* out, int64_t I) {
+  int64_t i = 0;
+#ifdef __AVX512F__
+  if constexpr (!std::is_same_v<T, double>) {
+    for (; i + 16 <= I; i += 16) {
+      const __m512 x = load16(gate + i);
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), x));
+      const __m512 silu = _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+      store16(out + i, _mm512_mul_ps(round16(silu, gate), load16(up + i)));
+    }
+  }
+#endif
+  silu_mul_scalar(gate + i, up + i, out + i, I - i);
 }
 
 int64_t rows_per_task(int64_t width) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(width, 1)); }
