@@ -106,7 +106,8 @@ def summary_line(s: dict) -> str:
 def cmd_generate(args) -> int:
     llm = build_llm(args)
     eng = llm.engine
-    print(f"[model {eng.model_path.name}, {eng.config.dtype}, loaded in {eng.load_seconds:.1f}s, "
+    print(f"[model {eng.model_path.name}, {eng.config.dtype}, quantization {eng.config.quantization}, "
+          f"loaded in {eng.load_seconds:.1f}s, "
           f"attention {eng.runner.backend.name}, {eng.kv_manager.num_blocks} KV blocks of "
           f"{eng.kv_manager.block_size} tokens]", file=sys.stderr)
     prompt = args.prompt

@@ -1,9 +1,10 @@
 """Build-once, load-afterwards for the project's C++ extensions (``torch.utils.cpp_extension``).
 
-Each extension is compiled with ``CFLAGS`` (``-O3 -march=native``, OpenMP) into ``<cache>/kernels/<hash>``
-(the hash covers the source, the flags, the torch version and the machine), then loaded from there. A build
-that fails (no compiler, no ninja) is remembered: callers get ``None`` plus the reason, and the
-reason is logged once per extension.
+Each extension is compiled with ``CFLAGS`` (``-O3 -march=native``, OpenMP) into
+``<cache>/kernels/<hash>`` (the hash covers the source and the shared headers, the flags, the
+torch version and the machine), then loaded from there. A build that fails (no compiler, no
+ninja) is remembered: callers get ``None`` plus the reason, and the reason is logged once per
+extension.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 log = logging.getLogger(__name__)
 # -fno-trapping-math lets GCC vectorise floorf (used by the polynomial exp); values are unchanged
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-trapping-math"]
+SHARED_HEADERS = Path(__file__).parent / "csrc"  # cpu_vec.h: vectors, hsum, exp shared by the extensions
 
 
 @dataclass
@@ -41,7 +43,7 @@ class CppExtension:
 
         from pagedllm.models.tokenizer import cache_dir
 
-        src = self.source.read_bytes()
+        src = self.source.read_bytes() + b"".join(h.read_bytes() for h in sorted(SHARED_HEADERS.glob("*.h")))
         key = hashlib.sha1(src + " ".join(CFLAGS).encode() + torch.__version__.encode()
                            + platform.machine().encode()).hexdigest()[:12]
         build = cache_dir() / "kernels" / key
@@ -49,7 +51,7 @@ class CppExtension:
         try:
             self.module = cpp_extension.load(
                 name=f"{self.stem}_{key}", sources=[str(self.source)], build_directory=str(build),
-                extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
+                extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"], extra_include_paths=[str(SHARED_HEADERS)],
                 verbose=bool(os.environ.get("PAGEDLLM_VERBOSE_BUILD")))
         except Exception as e:  # noqa: BLE001 - no compiler, no ninja, bad flags: all mean "not here"
             lines = str(e).strip().splitlines()

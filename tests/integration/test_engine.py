@@ -4,6 +4,7 @@ stops, seeds, chat, accounting."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.errors import InvalidRequest, RequestTooLong
@@ -199,3 +200,17 @@ def test_quantization_option_resolves_and_rejects_what_cannot_apply(tmp_path):
     with pytest.raises(ValueError, match="needs a GGUF model"):
         LLM(model=folder, dtype="bfloat16", quantization="gguf", num_kv_blocks=16)
     assert LLM(model=folder, dtype="bfloat16", num_kv_blocks=16).engine.config.quantization == "none"
+
+
+def test_bf16_engine_prepacks_weights_and_logits_equal_dense():
+    llm = LLM(dtype="bfloat16", kv_cache_memory="64MiB")
+    model = llm.engine.runner.model
+    assert model.tied_head_packed is not None
+    assert all(layer.mlp.down_proj.packed is not None for layer in model.layers)
+    hidden = torch.randn(20, model.config.hidden_size, generator=torch.Generator().manual_seed(0)).bfloat16()
+    expected = torch.nn.functional.linear(hidden, model.embed_tokens.weight).float()
+    assert torch.equal(model.compute_logits(hidden), expected)  # 20 rows: the dense (prepacked) head
+    out = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 8
+    stats = llm.kv_cache_stats()
+    assert stats["num_free_blocks"] == stats["num_blocks"]

@@ -118,3 +118,20 @@ def test_without_a_compiler_layer_ops_fall_back_to_torch_and_say_so_once(monkeyp
     assert len([r for r in caplog.records if "layer ops could not be built" in r.getMessage()]) == 1
     blocks, _ = gguf_weight("Q8_0", 32, 32)
     assert quantized_matmul(blocks, torch.float32, TorchLayerOps()) is None  # Q8_0 needs the C++ kernel
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_onednn_prepacked_linear_is_identical_to_f_linear_in_bf16(bias):
+    lin = Linear(192, 320, bias=bias).to(torch.bfloat16)
+    dense_weight = lin.weight.detach().clone()
+    expected_bias = None if lin.bias is None else lin.bias.detach().clone()
+    assert lin.prepack() and lin.weight is None and lin.packed is not None
+    for rows in (1, 7, 64, 300):
+        x = torch.randn(rows, 192, generator=torch.Generator().manual_seed(rows)).bfloat16()
+        with torch.no_grad():
+            assert torch.equal(lin(x), torch.nn.functional.linear(x, dense_weight, expected_bias))
+
+
+def test_float32_weights_are_not_prepacked():
+    lin = Linear(64, 64)
+    assert not lin.prepack() and lin.packed is None and lin.weight is not None

@@ -147,6 +147,7 @@ class Engine:
                             contiguous_reservation=contiguous_reservation, swap_space=swap_space)
         if dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
+        layer_ops = get_layer_ops(device)  # may compile C++ on first use: not part of the load time
         t0 = time.perf_counter()
         path = resolve_model_path(model)
         weights = load_weights(path)
@@ -163,11 +164,11 @@ class Engine:
                               device=device, seed=seed,
                               quantization=resolve_quantization(quantization, weights, resolved_dtype, device))
         with torch.device("meta"):
-            net = LlamaForCausalLM(mcfg, _DTYPES[config.dtype], max_model_len, device=device,
-                                   layer_ops=get_layer_ops(device))
+            net = LlamaForCausalLM(mcfg, _DTYPES[config.dtype], max_model_len, device=device, layer_ops=layer_ops)
         net.load_hf_state_dict(weights.state_dict)
         if config.quantization == "gguf":
             net.use_gguf_quantized(weights.quantized)
+        net.prepack_weights()
         net.eval()
         del weights
         tokenizer = Tokenizer.load(path, path.suffix == ".gguf")

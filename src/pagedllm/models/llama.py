@@ -23,7 +23,13 @@ from pagedllm.kvstore.storage import KVCacheStorage
 from pagedllm.models.gguf_quant import BlockQuantized
 from pagedllm.models.layer_ops import TorchLayerOps
 from pagedllm.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
-from pagedllm.models.quantized_linear import DEFAULT_MAX_ROWS, Linear, quantized_matmul
+from pagedllm.models.quantized_linear import (
+    DEFAULT_MAX_ROWS,
+    Linear,
+    onednn_linear,
+    prepack_for_onednn,
+    quantized_matmul,
+)
 
 
 class Attention(nn.Module):
@@ -82,6 +88,7 @@ class LlamaForCausalLM(nn.Module):
         self.layer_ops = layer_ops or TorchLayerOps()
         self.logits_small_batch = None  # quantized LM head for steps of few rows (use_gguf_quantized)
         self.logits_max_rows = 0
+        self.tied_head_packed = None    # oneDNN copy of the tied embedding, for the LM head (prepack_weights)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -106,7 +113,18 @@ class LlamaForCausalLM(nn.Module):
             return self.logits_small_batch(hidden).float()
         if self.lm_head is not None:
             return self.lm_head(hidden).float()
+        if self.tied_head_packed is not None:
+            return onednn_linear(hidden, self.tied_head_packed, None).float()
         return torch.nn.functional.linear(hidden, self.embed_tokens.weight).float()
+
+    def prepack_weights(self) -> int:
+        """oneDNN layouts for every projection and the LM head where results stay identical
+        (bfloat16 on CPU, see ``prepack_for_onednn``); returns how many were packed."""
+        packed = sum(m.prepack() for m in self.modules() if isinstance(m, Linear))
+        if self.lm_head is None:  # tied: the embedding table stays dense for lookups, the head gets a copy
+            self.tied_head_packed = prepack_for_onednn(self.embed_tokens.weight)
+            packed += self.tied_head_packed is not None
+        return packed
 
     def use_gguf_quantized(self, quantized: dict[str, BlockQuantized], max_rows: int = DEFAULT_MAX_ROWS) -> int:
         """Attach small-batch kernels over GGUF blocks (HF-named, as the loader gives them) to every

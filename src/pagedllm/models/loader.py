@@ -224,7 +224,7 @@ def _load_gguf(path: Path) -> LoadedWeights:
             state[hf_name] = blocks.dequantize()
         else:
             array = gguf.quants.dequantize(t.data, t.tensor_type)
-            state[hf_name] = unpermute(torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32)))
+            state[hf_name] = unpermute(torch.from_numpy(np.array(array, dtype=np.float32)))  # a writable copy
     return LoadedWeights(cfg, state, path, is_gguf=True, quantized=quantized)
 
 

@@ -62,19 +62,48 @@ def quantized_matmul(weight: BlockQuantized, dtype: torch.dtype, layer_ops):
     return None
 
 
+def prepack_for_onednn(weight: torch.Tensor) -> torch.Tensor | None:
+    """``weight`` [N, K] in oneDNN's blocked layout for ``onednn_linear``, or None where that does
+    not apply. Only bfloat16 on CPU: there ``F.linear`` already runs oneDNN, so the results are
+    identical (tested) and only the per-call weight reordering goes away (10-20% of each matmul
+    at 1-64 rows, measured in docs/benchmarks.md); float32 keeps MKL's sgemm, as HF does."""
+    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 64)  # 64: the batch it is tuned for
+    except RuntimeError:  # a CPU without the instructions oneDNN wants for this dtype
+        return None
+
+
+def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
 class Linear(nn.Linear):
-    """``nn.Linear`` plus an optional quantized kernel for steps of at most ``max_rows`` rows."""
+    """``nn.Linear`` with an optional oneDNN-prepacked weight (``prepack``) and an optional quantized
+    kernel for steps of at most ``max_rows`` rows (``use_quantized``)."""
 
     small_batch = None
     small_batch_bias = None  # a plain tensor (not a Parameter): read without nn.Module's __getattr__
     max_rows = 0
+    packed = None            # oneDNN layout of the dense weight; the dense Parameter is dropped then
 
     def use_quantized(self, kernel, max_rows: int = DEFAULT_MAX_ROWS) -> None:
         self.small_batch, self.max_rows = kernel, max_rows
         self.small_batch_bias = None if self.bias is None else self.bias.detach()
 
+    def prepack(self) -> bool:
+        """Keep the weight only in oneDNN's layout where that gives identical results; True if done."""
+        packed = prepack_for_onednn(self.weight)
+        if packed is None:
+            return False
+        self.packed, self.weight = packed, None
+        return True
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.small_batch is not None and x.shape[0] <= self.max_rows:
             y = self.small_batch(x).to(x.dtype)
             return y if self.small_batch_bias is None else y + self.small_batch_bias
+        if self.packed is not None:
+            return onednn_linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)

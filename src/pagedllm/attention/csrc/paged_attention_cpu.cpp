@@ -14,29 +14,16 @@
 #include <limits>
 #include <vector>
 
+#include "cpu_vec.h"
+
 namespace {
+
+using namespace pagedllm_cpu;
 
 constexpr int kQueryTile = 16;
 
-// exp(x) for x <= 0 (softmax arguments): Cephes-style range reduction x = n ln2 + r and a degree-6
-// polynomial, ~1 ulp; written branch-free so loops over it vectorise (std::exp does not).
-#pragma omp declare simd
-inline float exp_nonpositive(float x) {
-  x = x < -87.0f ? -87.0f : x;
-  const float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  __builtin_memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
+// softmax arguments are <= 0
+inline float exp_nonpositive(float x) { return exp_poly(x); }
 
 template <typename T>
 inline void to_float(const T* src, float* dst, int n) {
@@ -56,20 +43,6 @@ inline void to_float<c10::BFloat16>(const c10::BFloat16* src, float* dst, int n)
 template <typename T>
 inline void from_float(const float* src, T* dst, int n) {
   for (int i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i]);
-}
-
-// 16-float vectors (GCC/Clang vector extensions: AVX-512 with -march=native, narrower ISAs split
-// them); unaligned loads allowed.
-typedef float v16 __attribute__((vector_size(64), aligned(4)));
-
-typedef float v8 __attribute__((vector_size(32), aligned(4)));
-typedef float v4 __attribute__((vector_size(16), aligned(4)));
-
-inline float hsum(v16 x) {  // pairwise tree: 4 shuffle + add steps
-  v8 a = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7) +
-         __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
-  v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-  return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
 struct Tile {

@@ -16,18 +16,11 @@
 #include <limits>
 #include <type_traits>
 
+#include "cpu_vec.h"
+
 namespace {
 
-typedef float v16 __attribute__((vector_size(64), aligned(4)));
-typedef float v8 __attribute__((vector_size(32), aligned(4)));
-typedef float v4 __attribute__((vector_size(16), aligned(4)));
-
-inline float hsum(v16 x) {
-  v8 a = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7) +
-         __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
-  v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-  return (b[0] + b[2]) + (b[1] + b[3]);
-}
+using namespace pagedllm_cpu;
 
 template <typename T>
 inline float f32(T x) { return static_cast<float>(x); }
@@ -38,21 +31,7 @@ inline float f32(T x) { return static_cast<float>(x); }
 constexpr float kExpOverflow = 88.72283935546875f;
 
 inline float exp_clamped(float x) {
-  if (x > kExpOverflow) return std::numeric_limits<float>::infinity();
-  x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-  const float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  __builtin_memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
+  return x > kExpOverflow ? std::numeric_limits<float>::infinity() : exp_poly(x);
 }
 
 // out = weight * (x * rsqrt(mean(x^2) + eps)).to(T), with x in float32: HF's LlamaRMSNorm.
