@@ -240,6 +240,11 @@ def make_parser() -> argparse.ArgumentParser:
     at.add_argument("--repeats", type=int, default=10)
     at.add_argument("--device", default="cpu")
     at.add_argument("--plot", default=None)
+    mm = bench_parser("matmul", "dense vs prepacked vs GGUF-block matmuls per projection", "matmul_bench",
+                      engine_options=False)
+    mm.add_argument("--model", default=None)
+    mm.add_argument("--rows", default="1,2,4,8,16,32,64")
+    mm.add_argument("--repeats", type=int, default=50)
     sp = bench_parser("step", "where one decode step's time goes", "step_profile")
     sp.add_argument("--attention-backend", default="auto", choices=["auto", "cpu", "reference"])
     sp.add_argument("--batch", type=int, default=32)

@@ -80,3 +80,16 @@ def test_kv_memory_benchmarks_run_and_report(tmp_path):
             assert report["paged"]["mean_fragmentation"] < report["contiguous"]["mean_fragmentation"]
         else:
             assert report["same_outputs"] and report["swap"]["swapped_out_blocks"] > 0
+
+
+def test_bench_matmul_times_every_projection_with_each_kernel(tmp_path):
+    out = tmp_path / "matmul.json"
+    r = run_cli("bench", "matmul", "--rows", "1,16", "--repeats", "2", "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    report = json.loads(out.read_text())
+    assert set(report["projections"]) == {"qkv", "o", "gate_up", "down", "lm_head"}
+    assert report["projections"]["qkv"]["shape"] == [960, 576]
+    for proj in report["projections"].values():
+        for timings in proj["ms"].values():
+            assert set(timings) == {"dense", "prepacked", "gguf_blocks"} and min(timings.values()) > 0
+    assert "per layer" in r.stdout

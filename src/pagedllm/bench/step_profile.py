@@ -1,8 +1,9 @@
 """``pagedllm bench step``: where one decode step's time goes, at a given batch size.
 
 Fills the engine with ``batch`` requests, prefills them, then times ``steps`` decode steps and
-splits the step time into: matmuls (dense ``aten::mm``/``addmm`` and the int4 weight-only matmul
-from the torch profiler, plus the C++ Q8_0 LM head, timed), attention (the backend's fused call,
+splits the step time into: matmuls (dense ``aten::mm``/``addmm``, oneDNN's prepacked
+``mkldnn::_linear_pointwise`` and the int4 weight-only matmul from the torch profiler, plus the
+C++ Q8_0 LM head, timed), attention (the backend's fused call,
 with RoPE and the K/V store where it fuses them), the other ops (norms and activations, in C++ or
 torch, argmax, ...), and the rest: Python in the model, scheduler, runner, sampler and detokenizer.
 """
@@ -59,7 +60,8 @@ def main(args) -> dict:
             engine.step()
     total = (time.perf_counter() - t0) / args.steps
     ops = {e.key: e.self_cpu_time_total / 1e6 / args.steps for e in prof.key_averages()}
-    matmul_ops = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_weight_int4pack_mm_for_cpu")
+    matmul_ops = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_weight_int4pack_mm_for_cpu",
+                  "mkldnn::_linear_pointwise")
     matmul = sum(v for k, v in ops.items() if k in matmul_ops) + cpp_matmul[0] / args.steps
     other_ops = sum(v for k, v in ops.items() if k.startswith("aten::") and k not in matmul_ops) + (
         cpp_other[0] / args.steps)

@@ -1,0 +1,79 @@
+"""``pagedllm bench matmul``: the decode step's matmul kernels, per projection of the default model.
+
+For each projection shape of the embedded SmolLM2 (fused qkv, o, fused gate_up, down, LM head)
+and each row count (tokens in the step), times in one process: ``F.linear`` on the dense bf16
+weight (what HF and the first engine used), the same weight prepacked for oneDNN
+(``prepack_for_onednn``, identical results), and the weight-only kernel over the GGUF's own
+blocks (int4 for the Q4_1 projections, the C++ Q8_0 kernel for the LM head). The per-layer total
+shows where the quantized path stops paying (``quantized_linear.DEFAULT_MAX_ROWS``). Weights are
+the real ones, so the quantized kernels see their real block layout. Medians of repeated calls.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+
+
+def _median_ms(fn, repeats: int) -> float:
+    fn()
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+    return 1000 * statistics.median(samples)
+
+
+def main(args) -> dict:
+    from pagedllm.models.gguf_quant import BlockQuantized
+    from pagedllm.models.layer_ops import get_layer_ops
+    from pagedllm.models.loader import load_weights, resolve_model_path
+    from pagedllm.models.quantized_linear import onednn_linear, prepack_for_onednn, quantized_matmul
+
+    weights = load_weights(resolve_model_path(args.model))
+    if not weights.quantized:
+        raise SystemExit("bench matmul needs a GGUF model with Q4_0/Q4_1/Q8_0 tensors")
+    q, sd, ops = weights.quantized, weights.state_dict, get_layer_ops("cpu")
+    p = "model.layers.0."
+    groups = {
+        "qkv": [p + f"self_attn.{x}_proj.weight" for x in "qkv"],
+        "o": [p + "self_attn.o_proj.weight"],
+        "gate_up": [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"],
+        "down": [p + "mlp.down_proj.weight"],
+        "lm_head": ["model.embed_tokens.weight" if "lm_head.weight" not in q else "lm_head.weight"],
+    }
+    rows_list = [int(r) for r in args.rows.split(",")]
+    report = {"rows": rows_list, "projections": {}}
+    gen = torch.Generator().manual_seed(args.seed)
+    for name, parts in groups.items():
+        dense = torch.cat([sd[n] for n in parts]).to(torch.bfloat16).contiguous()
+        packed = prepack_for_onednn(dense)
+        kernel = quantized_matmul(BlockQuantized.cat([q[n] for n in parts]), torch.bfloat16, ops)
+        per_rows = {}
+        for rows in rows_list:
+            x = torch.randn(rows, dense.shape[1], generator=gen).bfloat16()
+            t = {"dense": _median_ms(partial(F.linear, x, dense), args.repeats)}
+            if packed is not None:
+                t["prepacked"] = _median_ms(partial(onednn_linear, x, packed, None), args.repeats)
+            if kernel is not None:
+                t["gguf_blocks"] = _median_ms(partial(kernel, x), args.repeats)
+            per_rows[rows] = t
+            print(f"{name:<8} {tuple(dense.shape)!s:<14} rows={rows:<4} "
+                  + "  ".join(f"{k}={v:.3f}ms" for k, v in t.items()))
+        report["projections"][name] = {"shape": list(dense.shape), "ms": per_rows}
+    print("per layer (qkv + o + gate_up + down), ms:")
+    for rows in rows_list:
+        kinds = report["projections"]["qkv"]["ms"][rows].keys()
+        totals = {k: sum(report["projections"][g]["ms"][rows][k] for g in ("qkv", "o", "gate_up", "down"))
+                  for k in kinds}
+        print(f"  rows={rows:<4} " + "  ".join(f"{k}={v:.3f}" for k, v in totals.items()))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    return report
