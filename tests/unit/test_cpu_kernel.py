@@ -119,3 +119,22 @@ def test_compiled_head_dims_match_dense(monkeypatch, head_dim, dtype):
     backend = CpuBackend(head_dim ** -0.5, load_cpu_kernel())
     run_and_compare([(1, 1), (B + 1, 1), (2048, 1), (300, 40), (33, 33)], num_heads=9, num_kv_heads=3,
                     dtype=dtype, backend=backend)
+
+
+def test_out_of_pool_indices_raise_instead_of_touching_memory(backend):
+    k_cache = torch.zeros(4, 8, 1, 64)
+    v_cache = torch.zeros_like(k_cache)
+    query = torch.randn(1, 1, 64)
+    qsl, lens = torch.tensor([0, 1]), torch.tensor([9])
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        backend.ops.paged_attention(query, k_cache, v_cache, qsl, lens, torch.tensor([[0, 4]]), 0.125)
+    with pytest.raises(RuntimeError, match="table has"):
+        backend.ops.paged_attention(query, k_cache, v_cache, qsl, lens, torch.tensor([[0]]), 0.125)
+    with pytest.raises(RuntimeError, match="outside the KV pool"):
+        backend.ops.store_kv(torch.ones(1, 1, 64), torch.ones(1, 1, 64), k_cache, v_cache, torch.tensor([32]))
+    assert k_cache.eq(0).all() and v_cache.eq(0).all()
+    qkv = torch.randn(1, 3 * 64)
+    table = torch.zeros(16, 64)
+    with pytest.raises(RuntimeError, match="RoPE table"):
+        backend.ops.rope_store_attend(qkv, table, table, torch.tensor([16]), k_cache, v_cache, torch.tensor([0]),
+                                      qsl, torch.tensor([1]), torch.tensor([[0]]), 0.125, 1)

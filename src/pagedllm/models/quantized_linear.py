@@ -1,4 +1,4 @@
-"""Linear layers that read GGUF's own 4- and 8-bit weights when a step has few rows.
+"""Linear layers: GGUF's own 4- and 8-bit weights for steps of few rows, prepacked dense ones else.
 
 A decode step at batch 1 reads every weight once and does two flops per weight read, so its
 matmuls are bound by memory bandwidth: reading the 4-bit codes of a Q4_1 model moves ~4x fewer
@@ -13,6 +13,9 @@ also a weight-only quantized kernel that it uses for steps of at most ``max_rows
 
 Both copies hold the same GGUF weights, so the two paths differ only by rounding, like two GEMM
 kernels would; float32 engines keep ``quantization="none"`` by default for exact HF parity.
+
+The dense weight itself is kept, in bfloat16 on CPU, in oneDNN's blocked layout (``prepack``):
+the same results as ``F.linear``, without oneDNN reordering the weight on every call.
 """
 
 from __future__ import annotations

@@ -195,6 +195,35 @@ void check_cache(const torch::Tensor& k_cache, const torch::Tensor& v_cache) {
   TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.dtype() == v_cache.dtype(), "K/V caches differ");
 }
 
+// Every index the kernels follow is checked (serially, before the parallel work) so that a bad
+// slot mapping or block table raises instead of reading or writing outside the pool.
+void check_slots(const torch::Tensor& slots, int64_t num_slots) {
+  const int64_t* s = slots.data_ptr<int64_t>();
+  for (int64_t i = 0; i < slots.numel(); ++i) {
+    TORCH_CHECK(s[i] < num_slots, "slot ", s[i], " is outside the KV pool of ", num_slots, " slots");
+  }
+}
+
+void check_layout(const torch::Tensor& qsl, const torch::Tensor& lens, const torch::Tensor& tables, int64_t T,
+                  int64_t num_blocks, int64_t B) {
+  const int64_t S = lens.size(0);
+  TORCH_CHECK(qsl.numel() == S + 1 && tables.dim() == 2 && tables.size(0) == S, "metadata shapes do not match");
+  const int64_t* q = qsl.data_ptr<int64_t>();
+  const int64_t* l = lens.data_ptr<int64_t>();
+  const int64_t* t = tables.data_ptr<int64_t>();
+  TORCH_CHECK(q[0] == 0 && q[S] == T, "query_start_loc must run from 0 to the number of query rows");
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t rows = q[s + 1] - q[s];
+    TORCH_CHECK(rows >= 0 && l[s] >= rows, "sequence ", s, " has more new tokens than its length");
+    const int64_t used = (l[s] + B - 1) / B;
+    TORCH_CHECK(used <= tables.size(1), "sequence ", s, " needs ", used, " blocks, its table has ", tables.size(1));
+    for (int64_t b = 0; b < used; ++b) {
+      const int64_t id = t[s * tables.size(1) + b];
+      TORCH_CHECK(id >= 0 && id < num_blocks, "block id ", id, " is outside the pool of ", num_blocks, " blocks");
+    }
+  }
+}
+
 }  // namespace
 
 // query [T, H, D]; caches [NB, B, KH, D]; query_start_loc [S+1], seq_lens [S], block_tables [S, MB] (int64)
@@ -210,6 +239,7 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor k_cache, torch:
   auto out = torch::empty_like(query);
   const int64_t H = query.size(1), D = query.size(2), B = k_cache.size(1), KH = k_cache.size(2);
   TORCH_CHECK(H % KH == 0 && D == k_cache.size(3), "head shapes do not match the cache");
+  check_layout(qsl, lens, tables, query.size(0), k_cache.size(0), B);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_attention", [&] {
     auto run = [&](auto kernel) {
       kernel(query.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
@@ -234,6 +264,7 @@ void store_kv(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, tor
   auto slots = slot_mapping.to(torch::kLong).contiguous();
   const int64_t row = k_cache.size(2) * k_cache.size(3);
   TORCH_CHECK(key.numel() == slots.numel() * row, "key rows do not match the slot mapping");
+  check_slots(slots, k_cache.size(0) * k_cache.size(1));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, key.scalar_type(), "store_kv", [&] {
     store_kernel<scalar_t>(key.data_ptr<scalar_t>(), value.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
                            v_cache.data_ptr<scalar_t>(), slots.data_ptr<int64_t>(), slots.numel(), row);
@@ -275,6 +306,12 @@ torch::Tensor rope_store_attend(torch::Tensor qkv, torch::Tensor cos, torch::Ten
   TORCH_CHECK(qkv.size(1) == (H + 2 * KH) * D, "qkv rows do not match the head layout");
   auto pos = positions.to(torch::kLong).contiguous();
   auto slots = slot_mapping.to(torch::kLong).contiguous();
+  TORCH_CHECK(pos.numel() == T && slots.numel() == T, "positions and slots must have one entry per row");
+  check_slots(slots, k_cache.size(0) * k_cache.size(1));
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(pp[t] >= 0 && pp[t] < cos.size(0), "position ", pp[t], " is outside the RoPE table");
+  }
   auto query = torch::empty({T, H, D}, qkv.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rope_store", [&] {
     const scalar_t* src = qkv.data_ptr<scalar_t>();
