@@ -205,7 +205,7 @@ def test_quantization_option_resolves_and_rejects_what_cannot_apply(tmp_path):
 def test_bf16_engine_prepacks_weights_and_logits_equal_dense():
     llm = LLM(dtype="bfloat16", kv_cache_memory="64MiB")
     model = llm.engine.runner.model
-    assert model.tied_head_packed is not None
+    assert model.lm_head.packed is not None and model.embed_tokens.weight is not None
     assert all(layer.mlp.down_proj.packed is not None for layer in model.layers)
     hidden = torch.randn(20, model.config.hidden_size, generator=torch.Generator().manual_seed(0)).bfloat16()
     expected = torch.nn.functional.linear(hidden, model.embed_tokens.weight).float()

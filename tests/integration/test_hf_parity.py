@@ -33,7 +33,7 @@ def test_gguf_quantized_decode_in_float32_equals_hf(hf_parity_expected, parity_p
     assert all(lin.small_batch is not None for layer in model.layers
                for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                            layer.mlp.down_proj))
-    assert model.logits_small_batch is not None
+    assert model.lm_head.small_batch is not None
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
     ours = llm.generate([{"prompt_token_ids": p} for p in parity_prompts], params, use_tqdm=False)
     for prompt, out, expected in zip(parity_prompts, ours, hf_parity_expected, strict=True):

@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.config import RopeScaling
@@ -74,10 +73,9 @@ class GatedMLP(nn.Module):
 
     def __init__(self, hidden: int, intermediate: int) -> None:
         super().__init__()
-        self.intermediate = intermediate
         self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=False)
         self.down_proj = Linear(intermediate, hidden, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, ops) -> torch.Tensor:
+        """``ops.silu_mul`` (``layer_ops``) splits the fused gate/up rows."""
+        return self.down_proj.forward(ops.silu_mul(self.gate_up_proj.forward(x)))

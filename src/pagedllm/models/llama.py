@@ -23,13 +23,7 @@ from pagedllm.kvstore.storage import KVCacheStorage
 from pagedllm.models.gguf_quant import BlockQuantized
 from pagedllm.models.layer_ops import TorchLayerOps
 from pagedllm.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
-from pagedllm.models.quantized_linear import (
-    DEFAULT_MAX_ROWS,
-    Linear,
-    onednn_linear,
-    prepack_for_onednn,
-    quantized_matmul,
-)
+from pagedllm.models.quantized_linear import DEFAULT_MAX_ROWS, Linear, quantized_matmul
 
 
 class Attention(nn.Module):
@@ -70,11 +64,11 @@ class DecoderLayer(nn.Module):
 
         Submodules are called through ``.forward``: ``nn.Module.__call__`` costs microseconds per
         call, which at batch 1 adds up to a tenth of the step over 30 layers."""
-        ln1, ln2, mlp = self.input_layernorm, self.post_attention_layernorm, self.mlp
+        ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
         h, residual = ops.add_rms_norm(x, residual, ln1.weight, ln1.eps)
         h = self.self_attn.forward(h, positions, rotary, k_cache, v_cache, meta, backend)
         h, residual = ops.add_rms_norm(h, residual, ln2.weight, ln2.eps)
-        return mlp.down_proj.forward(ops.silu_mul(mlp.gate_up_proj.forward(h))), residual
+        return self.mlp.forward(h, ops), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -86,13 +80,10 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.dtype = dtype
         self.layer_ops = layer_ops or TorchLayerOps()
-        self.logits_small_batch = None  # quantized LM head for steps of few rows (use_gguf_quantized)
-        self.logits_max_rows = 0
-        self.tied_head_packed = None    # oneDNN copy of the tied embedding, for the LM head (prepack_weights)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)  # tied: shares the embedding
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, dtype,
                                       device)
 
@@ -108,23 +99,14 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits [rows, vocab]."""
-        if self.logits_small_batch is not None and hidden.shape[0] <= self.logits_max_rows:
-            return self.logits_small_batch(hidden).float()
-        if self.lm_head is not None:
-            return self.lm_head(hidden).float()
-        if self.tied_head_packed is not None:
-            return onednn_linear(hidden, self.tied_head_packed, None).float()
-        return torch.nn.functional.linear(hidden, self.embed_tokens.weight).float()
+        """Logits [rows, vocab] computed in the model dtype (as HF does), returned as float32."""
+        return self.lm_head.forward(hidden).float()
 
     def prepack_weights(self) -> int:
         """oneDNN layouts for every projection and the LM head where results stay identical
-        (bfloat16 on CPU, see ``prepack_for_onednn``); returns how many were packed."""
-        packed = sum(m.prepack() for m in self.modules() if isinstance(m, Linear))
-        if self.lm_head is None:  # tied: the embedding table stays dense for lookups, the head gets a copy
-            self.tied_head_packed = prepack_for_onednn(self.embed_tokens.weight)
-            packed += self.tied_head_packed is not None
-        return packed
+        (bfloat16 on CPU, see ``Linear.prepack``); returns how many were packed. A tied head drops
+        only its own reference: the embedding keeps the dense table for lookups."""
+        return sum(m.prepack() for m in self.modules() if isinstance(m, Linear))
 
     def use_gguf_quantized(self, quantized: dict[str, BlockQuantized], max_rows: int = DEFAULT_MAX_ROWS) -> int:
         """Attach small-batch kernels over GGUF blocks (HF-named, as the loader gives them) to every
@@ -146,11 +128,7 @@ class LlamaForCausalLM(nn.Module):
             attach(layer.self_attn.o_proj, [p + "self_attn.o_proj.weight"])
             attach(layer.mlp.gate_up_proj, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"])
             attach(layer.mlp.down_proj, [p + "mlp.down_proj.weight"])
-        head = quantized.get("model.embed_tokens.weight" if self.lm_head is None else "lm_head.weight")
-        kernel = None if head is None else quantized_matmul(head, self.dtype, ops)
-        if kernel is not None:
-            self.logits_small_batch, self.logits_max_rows = kernel, max_rows
-            attached += 1
+        attach(self.lm_head, ["model.embed_tokens.weight" if self.config.tie_word_embeddings else "lm_head.weight"])
         return attached
 
     def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None:
@@ -159,12 +137,9 @@ class LlamaForCausalLM(nn.Module):
         w = {k.removeprefix("model."): v for k, v in weights.items()}
         own: dict[str, torch.Tensor] = {"embed_tokens.weight": w.pop("embed_tokens.weight"),
                                         "norm.weight": w.pop("norm.weight")}
-        if self.lm_head is not None:
-            own["lm_head.weight"] = w.pop("lm_head.weight", None)
-            if own["lm_head.weight"] is None:
-                own["lm_head.weight"] = own["embed_tokens.weight"]
-        else:
-            w.pop("lm_head.weight", None)
+        head = w.pop("lm_head.weight", None)
+        if not cfg.tie_word_embeddings:
+            own["lm_head.weight"] = own["embed_tokens.weight"] if head is None else head
         for i in range(cfg.num_layers):
             p = f"layers.{i}."
             a = p + "self_attn."
@@ -185,6 +160,9 @@ class LlamaForCausalLM(nn.Module):
         device = self.rotary.cos.device
         own = {k: v.to(device=device, dtype=self.dtype).contiguous() for k, v in own.items()}
         missing, unexpected = self.load_state_dict(own, strict=False, assign=True)
-        missing = [m for m in missing if not m.startswith("rotary.")]
+        missing = [m for m in missing if not m.startswith("rotary.")
+                   and not (cfg.tie_word_embeddings and m == "lm_head.weight")]
         if missing or unexpected:
             raise KeyError(f"weights missing {missing[:5]}, unexpected {unexpected[:5]}")
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
