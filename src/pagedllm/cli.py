@@ -7,7 +7,9 @@ blocks used / total). ``chat`` is an interactive conversation with the chat temp
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
+import json
 import sys
 import time
 
@@ -66,33 +68,28 @@ def sampling_params(args):
 
 
 def stream(llm, prompt, params, out=sys.stdout) -> dict:
-    """Generate one request, writing text as it arrives; returns a summary."""
+    """Generate one request, writing text as it arrives (held back while it could still turn out to
+    be a stop string, so what is written is exactly the final text); returns a summary."""
+    from pagedllm.engine.sampling_params import RequestOutputKind
+
     engine = llm.engine
-    rid = engine.new_request_id()
-    engine.add_request(rid, prompt, params)
+    params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
     t0 = time.perf_counter()
     first = None
-    printed = 0
     peak = 0
-    final = None
-    try:
-        while final is None:
-            for o in engine.step():
-                if o.request_id != rid:
-                    continue
-                first = first or time.perf_counter()
-                text = o.outputs[0].text
-                out.write(text[printed:])
-                out.flush()
-                printed = len(text)
-                if o.finished:
-                    final = o
-            peak = max(peak, engine.kv_manager.num_blocks - engine.kv_manager.num_free_blocks)
-    finally:
-        engine.abort(rid)
+    text, tokens, final = [], 0, None
+    for o in llm.generate_stream(prompt, params):
+        first = first or time.perf_counter()
+        delta = o.outputs[0]
+        out.write(delta.text)
+        out.flush()
+        text.append(delta.text)
+        tokens += len(delta.token_ids)
+        peak = max(peak, engine.kv_manager.num_blocks - engine.kv_manager.num_free_blocks)
+        if o.finished:
+            final = o
     dt = time.perf_counter() - t0
-    n = len(final.outputs[0].token_ids)
-    return {"tokens": n, "seconds": dt, "ttft": (first - t0) if first else None,
+    return {"tokens": tokens, "seconds": dt, "ttft": (first - t0) if first else None, "text": "".join(text),
             "finish_reason": final.outputs[0].finish_reason, "peak_blocks": peak,
             "num_blocks": engine.kv_manager.num_blocks, "prompt_tokens": len(final.prompt_token_ids)}
 
@@ -126,7 +123,8 @@ def cmd_chat(args) -> int:
     history: list[dict] = []
     if args.system:
         history.append({"role": "system", "content": args.system})
-    print("pagedllm chat: type a message; /reset clears the history, /exit (or Ctrl-D) quits.", file=sys.stderr)
+    print("pagedllm chat: type a message; /reset clears the history, /history prints it, "
+          "/exit (or Ctrl-D) quits.", file=sys.stderr)
     while True:
         try:
             line = input("you> ")
@@ -138,28 +136,18 @@ def cmd_chat(args) -> int:
         if line.strip() == "/reset":
             history = history[:1] if args.system else []
             continue
+        if line.strip() == "/history":
+            print(json.dumps(history, ensure_ascii=False))
+            continue
         if not line.strip():
             continue
         history.append({"role": "user", "content": line})
         ids = tok.apply_chat_template(history)
         print("assistant> ", end="", flush=True)
-        buf = _Tee(sys.stdout)
-        s = stream(llm, {"prompt_token_ids": ids}, params, out=buf)
+        s = stream(llm, {"prompt_token_ids": ids}, params)
         print()
         print(summary_line(s), file=sys.stderr)
-        history.append({"role": "assistant", "content": buf.text})
-
-
-class _Tee:
-    def __init__(self, out) -> None:
-        self.out, self.text = out, ""
-
-    def write(self, s: str) -> None:
-        self.text += s
-        self.out.write(s)
-
-    def flush(self) -> None:
-        self.out.flush()
+        history.append({"role": "assistant", "content": s["text"]})
 
 
 def cmd_bench(args) -> int:

@@ -26,3 +26,30 @@ def test_cuda_triton_engine_equals_hf(tmp_path, arch):
     for p, o in zip(prompts, outs, strict=True):
         assert o.outputs[0].token_ids == hf_greedy(hf, p, 16)
     assert llm.kv_cache_stats()["num_free_blocks"] == 64
+
+
+def test_cuda_logprobs_equal_hf(tmp_path):
+    from tests.integration.test_logprobs import check_logprobs_against_hf
+
+    check_logprobs_against_hf(make_tiny_checkpoint(tmp_path / "llama", "llama", seed=5), "cuda")
+
+
+def test_cuda_beam_search_and_every_sampling_feature(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from pagedllm import BeamSearchParams
+    from tests.integration.test_beam_search import hf_beam_search
+
+    folder = make_tiny_checkpoint(tmp_path / "llama", "llama", seed=3)
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    llm = LLM(model=folder, dtype="float32", device="cuda", block_size=8, num_kv_blocks=64)
+    prompt = list(range(100, 119))
+    got = llm.beam_search({"prompt_token_ids": prompt}, BeamSearchParams(beam_width=4, max_tokens=6, ignore_eos=True,
+                                                                         length_penalty=0.0))[0].sequences
+    assert [s.tokens for s in got] == [e[0] for e in hf_beam_search(hf, prompt, 4, 6)]
+    params = SamplingParams(n=2, temperature=0.8, top_p=0.9, top_k=20, min_p=0.01, presence_penalty=0.5,
+                            frequency_penalty=0.3, repetition_penalty=1.2, logit_bias={5: 2.0}, min_tokens=2,
+                            allowed_token_ids=list(range(3, 300)), seed=0, max_tokens=8, logprobs=2)
+    out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
+    assert all(3 <= t < 300 for c in out.outputs for t in c.token_ids) and len(out.outputs) == 2
+    assert llm.kv_cache_stats()["num_free_blocks"] == 64

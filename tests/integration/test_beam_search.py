@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from pagedllm import LLM, BeamSearchParams, SamplingParams
-from pagedllm.engine.beam_search import beam_search
 from tests.conftest import make_tiny_checkpoint
 from tests.integration.test_engine import assert_all_free
 
@@ -66,12 +65,17 @@ def test_beams_share_prompt_blocks_and_copy_on_write(tiny):
     _, llm = tiny
     prompt = list(range(100, 141))  # 41 tokens: 5 full blocks of 8 + 1 token
     before = llm.kv_cache_stats()["num_cow_copies"]
-    stats: dict = {}
-    beam_search(llm.engine, [{"prompt_token_ids": prompt}], BeamSearchParams(beam_width=4, max_tokens=6,
-                                                                              ignore_eos=True), stats)
-    assert stats["peak_blocks_used"] < stats["peak_blocks_without_sharing"]
+    engine, kv = llm.engine, llm.engine.kv_manager
+    engine.add_request("beams", {"prompt_token_ids": prompt}, BeamSearchParams(beam_width=4, max_tokens=6,
+                                                                                ignore_eos=True))
+    used = unshared = 0
+    while engine.has_unfinished():
+        engine.step()
+        used = max(used, kv.num_blocks - kv.num_free_blocks)
+        unshared = max(unshared, sum(len(t.blocks) for t in kv.tables.values()))
+    assert used < unshared
     # the 5 full prompt blocks are held once instead of four times
-    assert stats["peak_blocks_without_sharing"] - stats["peak_blocks_used"] >= 3 * 5
+    assert unshared - used >= 3 * 5
     assert llm.kv_cache_stats()["num_cow_copies"] > before
     assert_all_free(llm)
 

@@ -20,7 +20,7 @@ def assert_all_free(llm):
     stats = llm.kv_cache_stats()
     assert stats["num_free_blocks"] == stats["num_blocks"]
     llm.engine.kv_manager.check_invariants()
-    assert not llm.engine.scheduler.requests and not llm.engine._groups and not llm.engine._seq_group
+    assert not llm.engine.scheduler.requests and not llm.engine._requests and not llm.engine._owner
 
 
 @pytest.fixture(scope="module")
@@ -68,8 +68,9 @@ def test_outputs_come_back_in_input_order_with_prompt_fields(smollm_fp32):
 
 
 @pytest.mark.parametrize("bad", [
-    dict(max_tokens=0), dict(temperature=-1.0), dict(top_p=0.0), dict(top_p=1.01), dict(top_k=0),
-    dict(top_k=-5), dict(n=0)])
+    dict(max_tokens=0), dict(temperature=-1.0), dict(top_p=0.0), dict(top_p=1.01), dict(top_k=-2),
+    dict(top_k=-5), dict(n=0), dict(min_p=1.5), dict(presence_penalty=2.5), dict(repetition_penalty=0.0),
+    dict(min_tokens=20, max_tokens=10)])
 def test_invalid_params_raise_and_the_llm_still_works(smollm_fp32, batched_reference, bad):
     with pytest.raises(ValueError):
         smollm_fp32.generate("hi", SamplingParams(**bad), use_tqdm=False)

@@ -1,24 +1,14 @@
-"""Tokenizer wrapper and incremental detokenizer (the GGUF's own tokenizer, via transformers)."""
+"""Tokenizer wrapper (the GGUF's own tokenizer, via transformers)."""
 
 import pytest
 
 from pagedllm.models.loader import default_model_path
-from pagedllm.models.tokenizer import IncrementalDetokenizer, Tokenizer
+from pagedllm.models.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")
 def tok():
     return Tokenizer.load(default_model_path(), is_gguf=True)
-
-
-@pytest.mark.parametrize("text", [
-    "Hello, world!", "naïve café — déjà vu", "emoji: 🙂🚀 and 漢字テスト", "  spaces\n\nnewlines\ttabs",
-    "<|im_start|>user\nhi<|im_end|>"])
-def test_incremental_detokenization_equals_full_decode(tok, text):
-    ids = tok.encode(text)
-    detok = IncrementalDetokenizer(tok)
-    pieces = [detok.add(i) for i in ids]
-    assert "".join(pieces) == detok.text == tok.decode(ids)
 
 
 def test_chat_template_and_special_tokens(tok):

@@ -116,7 +116,6 @@ def _peak_tracker():
 
 def bench_sharing(args) -> dict:
     from pagedllm import BeamSearchParams, SamplingParams
-    from pagedllm.engine.beam_search import beam_search
 
     llm = _llm(args, enable_prefix_caching=False)
     engine = llm.engine
@@ -131,12 +130,13 @@ def bench_sharing(args) -> dict:
                                     "peak_blocks_unshared": peak["unshared"],
                                     "saved": round(1 - peak["used"] / peak["unshared"], 3),
                                     "cow_copies": llm.kv_cache_stats()["num_cow_copies"]}
-    stats: dict = {}
-    beam_search(engine, [{"prompt_token_ids": prompt}],
-                BeamSearchParams(beam_width=args.beam_width, max_tokens=args.output_tokens, ignore_eos=True), stats)
-    results["beam_search"] = {"beam_width": args.beam_width, "peak_blocks_shared": stats["peak_blocks_used"],
-                              "peak_blocks_unshared": stats["peak_blocks_without_sharing"],
-                              "saved": round(1 - stats["peak_blocks_used"] / stats["peak_blocks_without_sharing"], 3)}
+    peak, on_step = _peak_tracker()
+    engine.add_request("beam", prompt, BeamSearchParams(beam_width=args.beam_width, max_tokens=args.output_tokens,
+                                                         ignore_eos=True))
+    _drive(engine, on_step)
+    results["beam_search"] = {"beam_width": args.beam_width, "peak_blocks_shared": peak["used"],
+                              "peak_blocks_unshared": peak["unshared"],
+                              "saved": round(1 - peak["used"] / peak["unshared"], 3)}
     for name in ("parallel_sampling", "beam_search"):
         r = results[name]
         print(f"{name}: peak KV blocks {r['peak_blocks_shared']} shared vs {r['peak_blocks_unshared']} unshared "

@@ -1,28 +1,32 @@
-"""Beam search (vLLM's ``LLM.beam_search`` API) whose beams share KV blocks by fork / copy-on-write.
+"""Beam search as an ordinary engine request (vLLM's ``BeamSearchParams`` and ranking).
 
-Every live beam is a request in the scheduler whose next token is chosen here, not by the
-sampler: each step the model returns the top ``2 * beam_width`` log-probabilities of every beam;
-once all live beams of a prompt have theirs, the ``beam_width`` best extensions (by cumulative
-log-probability) are kept. A beam kept k times continues itself and forks k - 1 children that
-share all its blocks (ref counts); the partly filled last block is copied only when a child
-writes into it. Beams not kept are finished and their blocks released. A kept extension that
-ends in EOS is complete and stops (unless ``ignore_eos``). After ``max_tokens`` steps, complete
-and live beams are ranked by ``cum_logprob / len(tokens) ** length_penalty`` (tokens include the
-prompt; a final EOS is not counted), as vLLM does.
+A ``BeamGroup`` is one beam-search request inside the ``Engine``. Its live beams are scheduler
+requests whose next token it chooses (``Request.external_tokens``): each model step returns the top
+``2 * beam_width`` log-probabilities of every live beam that computed; once every live beam has
+delivered, the group advances as vLLM does: every candidate that ends in EOS moves to the
+completed beams (unless ``ignore_eos``), and the ``beam_width`` best non-EOS candidates (by
+cumulative log-probability) stay live. A beam kept k times continues itself and forks k - 1
+children sharing all its blocks (ref counts; the partly filled last block is copied only when a
+child writes into it); beams not kept are finished and release their blocks. Beams reaching
+``max_tokens`` complete with ``length``. The result ranks completed beams by
+``cum_logprob / len(tokens) ** length_penalty`` (tokens include the prompt; a final EOS is not
+counted) and returns the best ``beam_width``.
+
+Beams that have delivered hold their blocks while a sibling still computes. If no sibling that
+still has to deliver is running (they were preempted and wait for memory), the delivered beams
+release their blocks (``Scheduler.preempt``) so the siblings can come back: the group never
+waits on memory that it holds itself. The engine interleaves groups with other requests and
+can abort them like any request.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections import defaultdict
 from dataclasses import dataclass, field
 
 from pagedllm.engine.request import Request, RequestStatus
 from pagedllm.engine.sampler import TokenLogprobs
-from pagedllm.engine.sampling_params import SamplingParams
-from pagedllm.errors import InvalidRequest
-
-_ids = itertools.count()
+from pagedllm.engine.sampling_params import RequestOutputKind, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -37,6 +41,8 @@ class BeamSearchParams:
             raise ValueError(f"beam_width must be an integer in 1..10, got {self.beam_width!r}")
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if isinstance(self.length_penalty, bool) or not isinstance(self.length_penalty, int | float):
+            raise ValueError(f"length_penalty must be a number, got {self.length_penalty!r}")
 
 
 @dataclass
@@ -52,6 +58,11 @@ class BeamSearchOutput:
     sequences: list[BeamSearchSequence]
 
 
+def beam_score(seq: BeamSearchSequence, eos: frozenset[int], length_penalty: float) -> float:
+    n = len(seq.tokens) - (1 if seq.tokens and seq.tokens[-1] in eos else 0)
+    return seq.cum_logprob / (n ** length_penalty)
+
+
 @dataclass
 class _Beam:
     request: Request
@@ -59,109 +70,114 @@ class _Beam:
 
 
 @dataclass
-class _Prompt:
-    prompt_ids: list[int]
-    live: dict[str, _Beam]
+class BeamGroup:
+    """One beam-search request: live beams (scheduler requests), completed beams, pending logprobs."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: BeamSearchParams
+    eos_token_ids: frozenset[int]
+    arrival_time: float
+    cache_salt: str | None = None
+    live: dict[str, _Beam] = field(default_factory=dict)
     done: list[BeamSearchSequence] = field(default_factory=list)
     pending: dict[str, TokenLogprobs] = field(default_factory=dict)
+    error: str | None = None
+    aborted: bool = False
+    _ids: itertools.count = field(default_factory=itertools.count)
 
+    @property
+    def sampling_params(self) -> SamplingParams:
+        return SamplingParams(temperature=0.0, max_tokens=self.params.max_tokens, logprobs=2 * self.params.beam_width,
+                              ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)
 
-def beam_score(seq: BeamSearchSequence, eos: frozenset[int], length_penalty: float) -> float:
-    n = len(seq.tokens) - (1 if seq.tokens and seq.tokens[-1] in eos else 0)
-    return seq.cum_logprob / (n ** length_penalty)
+    @property
+    def finished(self) -> bool:
+        return not self.live
 
+    def _new_beam(self, token_ids: list[int], output_ids: list[int], sp: SamplingParams) -> Request:
+        req = Request(f"{self.request_id}#beam{next(self._ids)}", self.prompt_token_ids, sp,
+                      max_tokens=self.params.max_tokens, cache_salt=self.cache_salt, external_tokens=True)
+        req.token_ids = list(token_ids)
+        req.output_token_ids = list(output_ids)
+        return req
 
-def beam_search(engine, prompts: list, params: BeamSearchParams, stats: dict | None = None) -> list[BeamSearchOutput]:
-    """Run beam search for each prompt to completion; ``stats`` (optional) receives the peak
-    number of blocks used and what the beams would hold without sharing."""
-    sched, runner, kv = engine.scheduler, engine.runner, engine.kv_manager
-    width = params.beam_width
-    eos = engine.eos_token_ids
-    sp = SamplingParams(temperature=0.0, max_tokens=params.max_tokens, logprobs=2 * width, ignore_eos=True)
-    limit = engine.config.scheduler.max_model_len
-    groups: list[_Prompt] = []
-    owner: dict[str, _Prompt] = {}
+    def start(self, scheduler) -> Request:
+        """Queue the root beam (the prompt)."""
+        root = self._new_beam(self.prompt_token_ids, [], self.sampling_params)
+        self.live[root.request_id] = _Beam(root, 0.0)
+        scheduler.add(root)
+        return root
 
-    def new_request(prompt_ids: list[int]) -> Request:
-        return Request(f"beam{next(_ids)}", prompt_ids, sp, max_tokens=params.max_tokens, external_tokens=True)
+    def deliver(self, request_id: str, logprobs: TokenLogprobs) -> None:
+        if request_id in self.live:
+            self.pending[request_id] = logprobs
 
-    for prompt in prompts:
-        _, ids, _ = engine.tokenize_prompt(prompt)
-        if len(ids) + params.max_tokens > limit:
-            raise InvalidRequest(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                                 f"max_model_len ({limit})")
-        groups.append(_Prompt(ids, {}))
-    for g in groups:
-        root = new_request(g.prompt_ids)
-        g.live[root.request_id] = _Beam(root, 0.0)
-        owner[root.request_id] = g
-        sched.add(root)
+    def step(self, scheduler) -> list[str]:
+        """After a model step: advance if every live beam delivered, else make sure the group is not
+        waiting on memory it holds. Returns the ids of beams that left the scheduler."""
+        if not self.live:
+            return []
+        if all(rid in self.pending for rid in self.live):
+            return self._advance(scheduler)
+        missing = [b.request for rid, b in self.live.items() if rid not in self.pending]
+        if not any(r.status is RequestStatus.RUNNING for r in missing):
+            for rid in self.pending:
+                if rid in self.live and self.live[rid].request.status is RequestStatus.RUNNING:
+                    scheduler.preempt(rid)
+        return []
 
-    peak_used = peak_unshared = 0
-    try:
-        while any(g.live for g in groups):
-            out = sched.schedule()
-            result = runner.execute(out, sched.requests)
-            sched.update(out, result.tokens)
-            for rid, lp in result.logprobs.items():
-                if rid in owner:
-                    owner[rid].pending[rid] = lp
-            peak_used = max(peak_used, kv.num_blocks - kv.num_free_blocks)
-            peak_unshared = max(peak_unshared, sum(len(t.blocks) for t in kv.tables.values()))
-            for g in groups:
-                if g.live and all(rid in g.pending for rid in g.live):
-                    _advance(g, sched, owner, width, eos, params, new_request)
-    finally:
-        for rid in list(owner):
-            sched.finish(rid, RequestStatus.FINISHED_ABORTED)
-            runner.release(rid)
-    if stats is not None:
-        stats.update(peak_blocks_used=peak_used, peak_blocks_without_sharing=peak_unshared)
-    tok = engine.tokenizer
-    outputs = []
-    for g in groups:
-        ranked = sorted(g.done, key=lambda s: beam_score(s, eos, params.length_penalty), reverse=True)[:width]
-        for s in ranked:
-            s.text = tok.decode(s.tokens[len(g.prompt_ids):]) if tok is not None else None
-        outputs.append(BeamSearchOutput(ranked))
-    return outputs
+    def _advance(self, scheduler) -> list[str]:
+        eos = frozenset() if self.params.ignore_eos else self.eos_token_ids
+        candidates = []  # (cum logprob, beam id, token), in beam order then likelihood order
+        for rid, beam in self.live.items():
+            for token, lp in self.pending[rid].top:
+                cum = beam.cum_logprob + lp
+                if token in eos:
+                    self.done.append(BeamSearchSequence(beam.request.token_ids + [token], cum, finish_reason="stop"))
+                else:
+                    candidates.append((cum, rid, token))
+        self.pending.clear()
+        candidates.sort(key=lambda c: -c[0])  # stable: ties keep beam order
+        keep: dict[str, list[tuple[float, int]]] = {}
+        for cum, rid, token in candidates[:self.params.beam_width]:
+            keep.setdefault(rid, []).append((cum, token))
+        left: list[str] = []
+        new_live: dict[str, _Beam] = {}
+        for rid, beam in self.live.items():
+            extensions = keep.get(rid)
+            if not extensions:
+                scheduler.finish(rid, RequestStatus.FINISHED_ABORTED)
+                left.append(rid)
+                continue
+            parent = beam.request
+            reqs = [parent]
+            for _ in extensions[1:]:  # forks first, while they still match the parent
+                child = self._new_beam(parent.token_ids, parent.output_token_ids, parent.sampling_params)
+                scheduler.fork(rid, child)
+                reqs.append(child)
+            for req, (cum, token) in zip(reqs, extensions, strict=True):
+                scheduler.append_token(req.request_id, token)
+                if req.status.finished:  # reached max_tokens
+                    self.done.append(BeamSearchSequence(list(req.token_ids), cum, finish_reason="length"))
+                    left.append(req.request_id)
+                else:
+                    new_live[req.request_id] = _Beam(req, cum)
+        self.live = new_live
+        return left
 
+    def abort(self, scheduler, reason: RequestStatus = RequestStatus.FINISHED_ABORTED) -> list[str]:
+        """Finish every live beam; returns their ids."""
+        ids = list(self.live)
+        for rid in ids:
+            scheduler.finish(rid, reason)
+        self.live.clear()
+        self.pending.clear()
+        self.aborted = True
+        return ids
 
-def _advance(g: _Prompt, sched, owner, width, eos, params, new_request) -> None:
-    """All live beams of ``g`` have their candidates: keep the best ``width`` extensions."""
-    cands = []
-    for rid, beam in g.live.items():
-        for token, lp in g.pending[rid].top.items():
-            cands.append((beam.cum_logprob + lp, rid, token))
-    cands.sort(key=lambda c: c[0], reverse=True)
-    g.pending.clear()
-    keep: dict[str, list[tuple[float, int]]] = defaultdict(list)
-    for cum, rid, token in cands[:width]:
-        beam = g.live[rid]
-        if token in eos and not params.ignore_eos:
-            g.done.append(BeamSearchSequence(beam.request.token_ids + [token], cum, finish_reason="stop"))
-        else:
-            keep[rid].append((cum, token))
-    new_live: dict[str, _Beam] = {}
-    for rid, beam in g.live.items():
-        exts = keep.get(rid, [])
-        reqs = [beam.request]
-        for _ in exts[1:]:  # forks first, while they still match the parent
-            child = new_request(g.prompt_ids)
-            child.token_ids = list(beam.request.token_ids)
-            child.output_token_ids = list(beam.request.output_token_ids)
-            sched.fork(rid, child)
-            owner[child.request_id] = g
-            reqs.append(child)
-        if not exts:
-            sched.finish(rid, RequestStatus.FINISHED_ABORTED)
-            owner.pop(rid, None)
-            continue
-        for req, (cum, token) in zip(reqs, exts, strict=True):
-            sched.append_token(req.request_id, token)
-            if req.status.finished:  # reached max_tokens
-                g.done.append(BeamSearchSequence(list(req.token_ids), cum, finish_reason="length"))
-                owner.pop(req.request_id, None)
-            else:
-                new_live[req.request_id] = _Beam(req, cum)
-    g.live = new_live
+    def ranked(self) -> list[BeamSearchSequence]:
+        """The best ``beam_width`` completed beams, best first."""
+        key = lambda s: beam_score(s, self.eos_token_ids, self.params.length_penalty)  # noqa: E731
+        return sorted(self.done, key=key, reverse=True)[:self.params.beam_width]

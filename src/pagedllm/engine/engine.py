@@ -1,8 +1,11 @@
 """Engine: the request loop. ``add_request`` -> ``step()`` (schedule, run, update) -> outputs.
 
 Owns the scheduler (and through it the KV cache manager), the model runner, the tokenizer and
-each live request's output state (detokenizer, stop strings). Validates a request completely
-before it enters the queue, so a bad request never disturbs the others.
+each live request's output state (``RequestState``, or a ``BeamGroup`` for beam search).
+Validates a request completely before it enters the queue, so a bad request never disturbs the
+others. A step is transactional for the requests outside it: if the model step raises, the
+requests in it (and those whose KV blocks it was moving) finish with ``finish_reason="error"``
+and free their blocks, and every other request continues (see ``_fail_step``).
 """
 
 from __future__ import annotations
@@ -11,19 +14,21 @@ import atexit
 import gc
 import itertools
 import logging
+import operator
 import time
-from dataclasses import dataclass, field
 
 import torch
 
 from pagedllm.attention.backends import get_backend
 from pagedllm.config import QUANTIZATIONS, CacheConfig, EngineConfig, SchedulerConfig, parse_bytes
+from pagedllm.engine.beam_search import BeamGroup, BeamSearchParams
+from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.engine.model_runner import ModelRunner
+from pagedllm.engine.output_processor import RequestState, SequenceState, to_logprob_dict
 from pagedllm.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagedllm.engine.request import Request, RequestStatus
-from pagedllm.engine.sampler import TokenLogprobs
 from pagedllm.engine.sampling_params import SamplingParams
-from pagedllm.engine.scheduler import Scheduler
+from pagedllm.engine.scheduler import Scheduler, SchedulerOutput
 from pagedllm.errors import InvalidRequest, RequestTooLong
 from pagedllm.kvcache.contiguous import ContiguousKVCacheManager
 from pagedllm.kvcache.manager import KVCacheManager
@@ -32,55 +37,11 @@ from pagedllm.kvstore.storage import KVCacheStorage, bytes_per_block, num_blocks
 from pagedllm.models.layer_ops import get_layer_ops
 from pagedllm.models.llama import LlamaForCausalLM
 from pagedllm.models.loader import LoadedWeights, load_weights, resolve_dtype, resolve_model_path
-from pagedllm.models.tokenizer import IncrementalDetokenizer, Tokenizer
+from pagedllm.models.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass
-class _OutputState:
-    """Per-sequence output bookkeeping: the detokenized completion and how it finished."""
-
-    request: Request
-    index: int
-    detok: IncrementalDetokenizer | None
-    text: str = ""
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    logprobs: list[dict[int, float]] | None = None
-    cumulative_logprob: float | None = None
-    max_stop_len: int = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.max_stop_len = max((len(s) for s in self.request.sampling_params.stop_strings), default=0)
-
-    def completion(self) -> CompletionOutput:
-        return CompletionOutput(self.index, self.text, list(self.request.output_token_ids), self.finish_reason,
-                                self.stop_reason, self.cumulative_logprob,
-                                None if self.logprobs is None else list(self.logprobs))
-
-    def add_logprobs(self, token: int, lp: TokenLogprobs) -> None:
-        if self.logprobs is None:
-            self.logprobs, self.cumulative_logprob = [], 0.0
-        self.logprobs.append({**lp.top, token: lp.token_logprob})
-        self.cumulative_logprob += lp.token_logprob
-
-
-@dataclass
-class _Group:
-    """One user request: its prompt and its n sequences (n > 1 for parallel sampling)."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    seqs: list[_OutputState]
-    arrival_time: float
-
-    @property
-    def finished(self) -> bool:
-        return all(s.finish_reason is not None for s in self.seqs)
 
 
 def resolve_quantization(quantization: str, weights: LoadedWeights, dtype: str, device: str) -> str:
@@ -125,9 +86,10 @@ class Engine:
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
-        self._groups: dict[str, _Group] = {}        # user request id -> its sequences
-        self._seq_group: dict[str, _Group] = {}     # live sequence id -> its group
+        self._requests: dict[str, RequestState | BeamGroup] = {}  # user request id -> its state
+        self._owner: dict[str, RequestState | BeamGroup] = {}     # live scheduler request id -> its owner
         self._counter = itertools.count()
+        self._empty_steps = 0  # consecutive steps that scheduled nothing while requests were unfinished
         self._seed_rng = torch.Generator().manual_seed(config.seed)
 
     # -- construction ------------------------------------------------------------------------
@@ -185,58 +147,110 @@ class Engine:
         return engine
 
     # -- requests -------------------------------------------------------------------------------
+    PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
+
     def tokenize_prompt(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int], str | None]:
         """Normalise a prompt (text, token ids, or a {'prompt'|'prompt_token_ids'[, 'cache_salt']} dict)
-        into (text, token ids, cache salt)."""
+        into (text, token ids, cache salt). Token ids may be Python, numpy or torch integers."""
         salt = None
+        text: str | None = None
         if isinstance(prompt, dict):
+            unknown = sorted(str(k) for k in prompt if k not in self.PROMPT_KEYS)
+            if unknown:
+                raise InvalidRequest(f"unknown key {unknown[0]!r} in a prompt dict "
+                                     f"(expected one of {', '.join(self.PROMPT_KEYS)})")
             salt = prompt.get("cache_salt")
             if salt is not None and not isinstance(salt, str):
                 raise InvalidRequest("cache_salt must be a string")
             if "prompt_token_ids" in prompt:
-                prompt = list(prompt["prompt_token_ids"])
+                text = prompt.get("prompt") if isinstance(prompt.get("prompt"), str) else None
+                prompt = prompt["prompt_token_ids"]
+                if isinstance(prompt, str):
+                    raise InvalidRequest("prompt_token_ids must be a list of token ids, not a string")
             elif "prompt" in prompt:
                 prompt = prompt["prompt"]
+                if not isinstance(prompt, str):
+                    raise InvalidRequest(f"'prompt' must be a string, got {type(prompt).__name__}")
             else:
                 raise InvalidRequest("a prompt dict needs 'prompt' or 'prompt_token_ids'")
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidRequest("this model has no tokenizer: pass token ids as the prompt")
             ids = self.tokenizer.encode(prompt)
-            text: str | None = prompt
-        elif isinstance(prompt, list | tuple):
-            ids = list(prompt)
-            text = None
-        else:
+            text = prompt
+        elif isinstance(prompt, bytes | bytearray) or not hasattr(prompt, "__iter__") or hasattr(prompt, "keys"):
             raise InvalidRequest(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        else:
+            ids = self._token_ids(prompt)
         if not ids:
             raise InvalidRequest("the prompt is empty: it must have at least one token")
-        vocab = self.config.model.vocab_size
-        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
-            raise InvalidRequest(f"prompt token ids must be integers in [0, {vocab})")
         return text, ids, salt
 
-    def add_request(self, request_id: str, prompt: str | list[int] | dict,
-                    params: SamplingParams | None = None) -> Request:
-        """Validate and queue a request. Raises InvalidRequest/RequestTooLong without side effects."""
-        params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise InvalidRequest(f"sampling params must be SamplingParams, got {type(params).__name__}")
-        if request_id in self._groups:
-            raise InvalidRequest(f"request id {request_id!r} is already in use")
-        text, ids, salt = self.tokenize_prompt(prompt)
+    def _token_ids(self, values) -> list[int]:
+        vocab = self.config.model.vocab_size
+        try:
+            ids = [operator.index(t) for t in values if not isinstance(t, bool)]
+        except TypeError:
+            ids = []
+        if len(ids) != len(values) or not all(0 <= t < vocab for t in ids):
+            raise InvalidRequest(f"prompt token ids must be integers in [0, {vocab})")
+        return ids
+
+    def _check_length(self, num_prompt: int, max_tokens: int | None) -> int:
+        """The request's max_tokens (filled in up to max_model_len when None); raises RequestTooLong
+        if it cannot fit max_model_len or the whole block pool."""
         limit = self.config.scheduler.max_model_len
-        max_tokens = params.max_tokens if params.max_tokens is not None else limit - len(ids)
-        if len(ids) + max_tokens > limit:
+        if num_prompt >= limit:
+            raise RequestTooLong(f"prompt ({num_prompt} tokens) must be shorter than max_model_len ({limit}) "
+                                 "to leave room for at least one generated token")
+        if max_tokens is None:
+            max_tokens = limit - num_prompt
+        if num_prompt + max_tokens > limit:
             raise RequestTooLong(
-                f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) = {len(ids) + max_tokens} tokens "
+                f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) = {num_prompt + max_tokens} tokens "
                 f"exceeds max_model_len ({limit})")
-        need = self.kv_manager.max_blocks_for_request(len(ids) + max_tokens)
+        need = self.kv_manager.max_blocks_for_request(num_prompt + max_tokens)
         if need > self.kv_manager.num_blocks:
             raise RequestTooLong(
-                f"prompt + max_tokens = {len(ids) + max_tokens} tokens needs {need} KV blocks of "
+                f"prompt + max_tokens = {num_prompt + max_tokens} tokens needs {need} KV blocks of "
                 f"{self.kv_manager.block_size} ({self.kv_manager.layout} layout), more than the whole pool "
                 f"(num_kv_blocks={self.kv_manager.num_blocks})")
+        return max_tokens
+
+    def _check_params(self, params: SamplingParams) -> list[list[int]]:
+        """Token ids named by the params must exist; returns the bad words as token-id sequences."""
+        vocab = self.config.model.vocab_size
+        bad = [t for t in params.token_ids_to_check() if t >= vocab]
+        if bad:
+            raise InvalidRequest(f"token id {bad[0]} in the sampling params is outside the vocabulary [0, {vocab})")
+        if not params.bad_words:
+            return []
+        if self.tokenizer is None:
+            raise InvalidRequest("bad_words needs a tokenizer; this model has none")
+        words: list[list[int]] = []
+        for word in params.bad_words:  # as vLLM: the word alone, and as a new word after a space
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                if ids and ids not in words:
+                    words.append(ids)
+        return words
+
+    def add_request(self, request_id: str, prompt: str | list[int] | dict,
+                    params: SamplingParams | BeamSearchParams | None = None) -> Request:
+        """Validate and queue a request. Raises InvalidRequest/RequestTooLong without side effects.
+        ``BeamSearchParams`` make it a beam search (see ``engine/beam_search.py``)."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams | BeamSearchParams):
+            raise InvalidRequest(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidRequest("a request id must be a non-empty string")
+        if request_id in self._requests:
+            raise InvalidRequest(f"request id {request_id!r} is already in use")
+        text, ids, salt = self.tokenize_prompt(prompt)
+        if isinstance(params, BeamSearchParams):
+            return self._add_beam_search(request_id, text, ids, salt, params)
+        max_tokens = self._check_length(len(ids), params.max_tokens)
+        bad_words = self._check_params(params)
         seqs = []
         for i in range(params.n):
             seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
@@ -245,95 +259,172 @@ class Engine:
             else:
                 seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_rng))
             req = Request(seq_id, ids, params, max_tokens=max_tokens, eos_token_ids=self.eos_token_ids,
-                          sampling_seed=seed, cache_salt=salt)
-            detok = None if self.tokenizer is None else IncrementalDetokenizer(self.tokenizer,
+                          sampling_seed=seed, cache_salt=salt, bad_words_token_ids=bad_words)
+            detok = None if self.tokenizer is None else IncrementalDetokenizer(self.tokenizer, ids,
                                                                                 params.skip_special_tokens)
-            seqs.append(_OutputState(req, i, detok))
-        group = _Group(request_id, text, ids, seqs, seqs[0].request.arrival_time)
+            seqs.append(SequenceState(req, i, detok))
+        state = RequestState(request_id, text, ids, seqs, params.output_kind, seqs[0].request.arrival_time)
         self.scheduler.add(seqs[0].request, [s.request for s in seqs[1:]])
-        self._groups[request_id] = group
+        self._requests[request_id] = state
         for s in seqs:
-            self._seq_group[s.request.request_id] = group
+            self._owner[s.request.request_id] = state
         return seqs[0].request
+
+    def _add_beam_search(self, request_id: str, text: str | None, ids: list[int], salt: str | None,
+                         params: BeamSearchParams) -> Request:
+        self._check_length(len(ids), params.max_tokens)
+        group = BeamGroup(request_id, text, ids, params, self.eos_token_ids, time.monotonic(), salt)
+        root = group.start(self.scheduler)
+        self._requests[request_id] = group
+        self._owner[root.request_id] = group
+        return root
 
     def new_request_id(self) -> str:
         return str(next(self._counter))
 
     def abort(self, request_id: str) -> bool:
-        """Drop a request (all its sequences) wherever it is; its blocks are freed.
+        """Drop a request (all its sequences or beams) wherever it is; its blocks are freed.
         False if unknown or already finished."""
-        group = self._groups.pop(request_id, None)
-        if group is None:
+        owner = self._requests.pop(request_id, None)
+        if owner is None:
             return False
-        for s in group.seqs:
-            rid = s.request.request_id
+        for rid in self._live_ids(owner):
             self.scheduler.finish(rid, RequestStatus.FINISHED_ABORTED)
-            self.runner.release(rid)
-            self._seq_group.pop(rid, None)
+            self._release(rid)
+        if isinstance(owner, BeamGroup):
+            owner.abort(self.scheduler)
         return True
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def _live_ids(self, owner: RequestState | BeamGroup) -> list[str]:
+        if isinstance(owner, BeamGroup):
+            return list(owner.live)
+        return [s.request.request_id for s in owner.seqs if not s.finished]
+
+    def _release(self, rid: str) -> None:
+        self.runner.release(rid)
+        self._owner.pop(rid, None)
+
     # -- one iteration ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, and return outputs of requests that progressed."""
+        """Schedule, run the model once, and return the outputs owed to callers (by output kind)."""
         sched_out = self.scheduler.schedule()
         if sched_out.is_empty:
-            return []
-        result = self.runner.execute(sched_out, self.scheduler.requests)
+            return self._check_progress()
+        self._empty_steps = 0
+        try:
+            result = self.runner.execute(sched_out, self.scheduler.requests)
+        except Exception as exc:  # noqa: BLE001 - a failed step fails its own requests, not the engine
+            return self._fail_step(sched_out, exc)
         progressed = self.scheduler.update(sched_out, result.tokens)
-        groups: dict[str, _Group] = {}
+        changed: dict[str, set[int]] = {}
+        for rid, entries in result.prompt_logprobs.items():
+            owner = self._owner.get(rid)
+            if isinstance(owner, RequestState):
+                owner.add_prompt_logprobs(entries, self.tokenizer)
         for req in progressed:
-            group = self._seq_group.get(req.request_id)
-            if group is not None:
-                state = group.seqs[self._seq_index(group, req)]
-                lp = result.logprobs.get(req.request_id)
-                if lp is not None:
-                    state.add_logprobs(req.output_token_ids[-1], lp)
-                self._process(state, req)
-                groups[group.request_id] = group
-        return [self._output(g) for g in groups.values()]
+            owner = self._owner.get(req.request_id)
+            if isinstance(owner, RequestState):
+                seq = self._process(owner, req, result.logprobs.get(req.request_id))
+                changed.setdefault(owner.request_id, set()).add(seq.index)
+        outputs = []
+        for rid, lp in result.logprobs.items():
+            owner = self._owner.get(rid)
+            if isinstance(owner, BeamGroup):
+                owner.deliver(rid, lp)
+        for owner in [o for o in self._requests.values() if isinstance(o, BeamGroup)]:
+            self._step_beams(owner, outputs)
+        for request_id, seqs in changed.items():
+            state = self._requests.get(request_id)
+            if state is not None:
+                self._emit(state, outputs, seqs)
+        return outputs
 
-    @staticmethod
-    def _seq_index(group: _Group, req: Request) -> int:
-        return next(i for i, s in enumerate(group.seqs) if s.request is req)
-
-    def _process(self, state: _OutputState, req: Request) -> None:
+    def _process(self, state: RequestState, req: Request, lp) -> SequenceState:
+        seq = next(s for s in state.seqs if s.request is req)
         token = req.output_token_ids[-1]
-        if state.detok is not None:
-            delta = state.detok.add(token)
-            state.text += delta
-            if delta and state.max_stop_len and not req.status.finished:
-                self._check_stop_strings(state, len(delta))
-        if req.status.finished and state.finish_reason is None:
-            state.finish_reason = req.status.value
-            if req.status is RequestStatus.FINISHED_STOPPED:
-                state.stop_reason = None if token in self.eos_token_ids else token
-        if state.finish_reason is not None:
-            self.runner.release(req.request_id)
-            self._seq_group.pop(req.request_id, None)
+        stop = seq.add_token(token, None if lp is None else to_logprob_dict(lp, self.tokenizer))
+        if stop is not None and not req.status.finished:
+            self.scheduler.finish(req.request_id, RequestStatus.FINISHED_STOPPED)
+        if seq.finished:
+            self._release(req.request_id)
+        return seq
 
-    def _output(self, group: _Group) -> RequestOutput:
-        finished = group.finished
-        if finished:
-            self._groups.pop(group.request_id, None)
-        first = min((s.request.first_token_time for s in group.seqs if s.request.first_token_time), default=None)
-        metrics = RequestMetrics(group.arrival_time, first, time.monotonic() if finished else None,
-                                 sum(s.request.num_preemptions for s in group.seqs))
-        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids,
-                             [s.completion() for s in group.seqs], finished, metrics)
+    def _emit(self, state: RequestState, outputs: list[RequestOutput], changed: set[int] | None = None) -> None:
+        out = state.output(changed)
+        if state.finished:
+            self._requests.pop(state.request_id, None)
+        if out is not None:
+            outputs.append(out)
 
-    def _check_stop_strings(self, state: _OutputState, delta_len: int) -> None:
-        params = state.request.sampling_params
-        start = max(0, len(state.text) - delta_len - state.max_stop_len + 1)
-        hits = [(idx, s) for s in params.stop_strings if (idx := state.text.find(s, start)) >= 0]
-        if not hits:
-            return
-        idx, stop = min(hits)
-        state.text = state.text[: idx + len(stop)] if params.include_stop_str_in_output else state.text[:idx]
-        state.finish_reason, state.stop_reason = "stop", stop
-        self.scheduler.finish(state.request.request_id, RequestStatus.FINISHED_STOPPED)
+    def _step_beams(self, group: BeamGroup, outputs: list[RequestOutput]) -> None:
+        for rid in group.step(self.scheduler):
+            self._release(rid)
+        for rid in group.live:
+            self._owner[rid] = group
+        if group.finished:
+            self._requests.pop(group.request_id, None)
+            outputs.append(self._beam_output(group))
+
+    def _beam_output(self, group: BeamGroup) -> RequestOutput:
+        n = len(group.prompt_token_ids)
+        completions = []
+        for i, seq in enumerate(group.ranked()):
+            generated = seq.tokens[n:]
+            text = None if self.tokenizer is None else self.tokenizer.decode(generated)
+            completions.append(CompletionOutput(i, text, generated, seq.finish_reason, None, seq.cum_logprob))
+        metrics = RequestMetrics(group.arrival_time, None, time.monotonic())
+        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, completions, True, metrics,
+                             error=group.error)
+
+    # -- failures -----------------------------------------------------------------------------------
+    def _fail_step(self, out: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
+        """The model step raised: fail every request whose KV the step touched (computed, copied or
+        swapped), free their blocks, and leave everything else as it was."""
+        self.runner.recover()  # no copy may still be writing into blocks about to be freed
+        touched = {c.request_id for c in out.chunks} | {f for c in out.chunks for f in c.fork_ids}
+        touched |= set(out.swapped_in)
+        touched |= {rid for rid in out.preempted
+                    if (r := self.scheduler.requests.get(rid)) is not None and r.status is RequestStatus.SWAPPED}
+        copied = {dst for _, dst in out.copies}
+        if copied:
+            touched |= {rid for rid, t in self.kv_manager.tables.items() if copied.intersection(t.block_ids)}
+        owners = {id(o): o for rid in touched if (o := self._owner.get(rid)) is not None}
+        message = f"the model step failed: {type(exc).__name__}: {exc}"
+        log.error("%s (failing %d request(s); the engine continues)", message, len(owners), exc_info=exc)
+        return self._fail(list(owners.values()), message)
+
+    def _fail(self, owners: list[RequestState | BeamGroup], message: str) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
+        for owner in owners:
+            for rid in self._live_ids(owner):
+                self.scheduler.finish(rid, RequestStatus.FINISHED_ERROR)
+                self._release(rid)
+            self._requests.pop(owner.request_id, None)
+            if isinstance(owner, BeamGroup):
+                owner.abort(self.scheduler, RequestStatus.FINISHED_ERROR)
+                owner.error = message
+                outputs.append(self._beam_output(owner))
+            else:
+                owner.fail(message)
+                self._emit(owner, outputs)
+        return outputs
+
+    def _check_progress(self) -> list[RequestOutput]:
+        """A step scheduled nothing. Twice in a row with requests unfinished means nothing ever will
+        (a bug, never expected): fail them with a clear error instead of spinning."""
+        if not self.scheduler.has_unfinished():
+            return []
+        self._empty_steps += 1
+        if self._empty_steps < 2:
+            return []
+        self._empty_steps = 0
+        owners = {id(o): o for o in self._owner.values()}
+        kv = self.kv_manager
+        return self._fail(list(owners.values()), "the scheduler could not make progress with the KV blocks left "
+                                                 f"({kv.num_free_blocks} free of {kv.num_blocks})")
 
     # -- introspection --------------------------------------------------------------------------
     def kv_cache_stats(self) -> dict[str, float | int]:

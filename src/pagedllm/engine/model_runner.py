@@ -3,7 +3,8 @@
 Owns the model, the KV tensors (``KVCacheStorage``), the attention backend, the sampler and each
 request's random generator. Sees block ids and token ids, never scheduling policy.
 Per step it builds one ``AttentionMetadata`` (shared by every layer), lays the batch out flat
-with decode sequences first, and computes logits only for rows that sample.
+with decode sequences first, and computes logits only for rows that sample (and, for requests
+asking for ``prompt_logprobs``, for their prompt rows).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.engine.request import Request
-from pagedllm.engine.sampler import Sampler, TokenLogprobs
+from pagedllm.engine.sampler import Sampler, TokenLogprobs, logprobs_of
 from pagedllm.engine.scheduler import ScheduledChunk, SchedulerOutput
 from pagedllm.kvstore.host_tier import HostTier
 from pagedllm.kvstore.storage import KVCacheStorage
@@ -27,6 +28,11 @@ class StepResult:
 
     tokens: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    # request id -> [(position p, logprobs of the prompt token at p + 1)]
+    prompt_logprobs: dict[str, list[tuple[int, TokenLogprobs]]] = field(default_factory=dict)
+
+
+PROMPT_LOGPROB_ROWS = 256  # prompt positions turned into logits at a time (bounds the [rows, vocab] tensor)
 
 
 def build_metadata(chunks: list[ScheduledChunk], block_size: int, device: torch.device):
@@ -85,6 +91,12 @@ class ModelRunner:
     def release(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
 
+    def recover(self) -> None:
+        """After a failed step: wait for any block copy still running in the background, so the
+        blocks of the failed requests can be freed and reused safely."""
+        if self.host is not None:
+            self.host.wait()
+
     def execute(self, out: SchedulerOutput, requests: dict[str, Request]) -> StepResult:
         """Run one step; returns the sampled token (and logprobs if asked) of every chunk that samples."""
         if self.host is not None:
@@ -100,6 +112,12 @@ class ModelRunner:
         chunks = sorted(out.chunks, key=lambda c: c.num_tokens != 1)  # stable: decodes first
         input_ids, positions, meta = build_metadata(chunks, self.kv.block_size, self.device)
         hidden = self.model(input_ids, positions, meta, self.kv, self.backend)
+        result = StepResult()
+        for i, c in enumerate(chunks):
+            req = requests[c.request_id]
+            if req.sampling_params.prompt_logprobs is not None and c.start_pos < req.num_prompt_tokens - 1:
+                result.prompt_logprobs[c.request_id] = self._prompt_logprobs(hidden, meta.query_start_loc_list[i],
+                                                                             c, req)
         # one logits row per sampling chunk; parallel-sampling siblings draw from the same row
         rows, reqs = [], []
         for i, c in enumerate(chunks):
@@ -108,9 +126,22 @@ class ModelRunner:
                     rows.append(meta.query_start_loc_list[i + 1] - 1)
                     reqs.append(requests[rid])
         if not rows:
-            return StepResult()
+            return result
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
-        tokens, logprobs = self.sampler.sample(logits, [r.sampling_params for r in reqs],
-                                               [self._generator(r) for r in reqs])
-        return StepResult({r.request_id: tok for r, tok in zip(reqs, tokens, strict=True)},
-                          {reqs[i].request_id: lp for i, lp in logprobs.items()})
+        tokens, logprobs = self.sampler.sample(logits, reqs, [self._generator(r) for r in reqs])
+        result.tokens = {r.request_id: tok for r, tok in zip(reqs, tokens, strict=True)}
+        result.logprobs = {reqs[i].request_id: lp for i, lp in logprobs.items()}
+        return result
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, first_row: int, chunk: ScheduledChunk,
+                         req: Request) -> list[tuple[int, TokenLogprobs]]:
+        """Log-probabilities of the prompt tokens that follow this chunk's positions."""
+        end = min(chunk.seq_len, req.num_prompt_tokens - 1)  # position p predicts the token at p + 1
+        out = []
+        for lo in range(chunk.start_pos, end, PROMPT_LOGPROB_ROWS):
+            hi = min(end, lo + PROMPT_LOGPROB_ROWS)
+            rows = hidden[first_row + lo - chunk.start_pos:first_row + hi - chunk.start_pos]
+            lps = logprobs_of(self.model.compute_logits(rows), req.prompt_token_ids[lo + 1:hi + 1],
+                              req.sampling_params.prompt_logprobs)
+            out.extend(zip(range(lo, hi), lps, strict=True))
+        return out

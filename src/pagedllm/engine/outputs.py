@@ -1,13 +1,33 @@
-"""What generation returns: vLLM-shaped ``RequestOutput`` and ``CompletionOutput``."""
+"""What generation returns: vLLM-shaped ``RequestOutput``, ``CompletionOutput`` and ``Logprob``.
+
+Log-probabilities come as vLLM gives them: per generated token a ``dict[int, Logprob]`` holding the
+chosen token and the top ``logprobs`` tokens (``SampleLogprobs``); per prompt token the same, with
+``None`` for the first token, which has no context (``PromptLogprobs``). With
+``RequestOutputKind.DELTA`` the ``text``, ``token_ids`` and ``logprobs`` of a ``CompletionOutput``
+are only what is new since the request's previous output.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 
+@dataclass(slots=True)
+class Logprob:
+    """One token's log-probability, its rank in the distribution (1 = most likely) and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+SampleLogprobs = list[dict[int, Logprob]]
+PromptLogprobs = list[dict[int, Logprob] | None]
+
+
 @dataclass
 class CompletionOutput:
-    """One generated sequence. ``finish_reason`` is ``stop``, ``length``, ``abort`` or None."""
+    """One generated sequence. ``finish_reason``: ``stop``, ``length``, ``abort``, ``error`` or None."""
 
     index: int
     text: str
@@ -15,7 +35,7 @@ class CompletionOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     cumulative_logprob: float | None = None
-    logprobs: list[dict[int, float]] | None = None  # per generated token: top-k (+ the chosen one)
+    logprobs: SampleLogprobs | None = None
 
     @property
     def finished(self) -> bool:
@@ -36,7 +56,8 @@ class RequestMetrics:
 
 @dataclass
 class RequestOutput:
-    """A request's prompt and its completion(s), as of the latest step."""
+    """A request's prompt and its completion(s), as of the latest step. ``error`` says why a request
+    finished with ``finish_reason="error"``."""
 
     request_id: str
     prompt: str | None
@@ -44,3 +65,6 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = field(default=None, repr=False)
+    prompt_logprobs: PromptLogprobs | None = None
+    num_cached_tokens: int = 0
+    error: str | None = None

@@ -22,11 +22,12 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"  # its step failed (see Engine.step); its blocks were freed
 
     @property
     def finished(self) -> bool:
         return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-                        RequestStatus.FINISHED_ABORTED)
+                        RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR)
 
 
 @dataclass(eq=False)
@@ -46,11 +47,13 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     first_token_time: float | None = None
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
     # parallel sampling (n > 1): siblings that fork from this request when its prompt is computed
     pending_forks: list[Request] = field(default_factory=list)
     parent_id: str | None = None
-    # beam search: the next token is chosen by the driver from the logprobs, not by the sampler
+    # beam search: the next token is chosen by the beam group from the logprobs, not by the sampler
     external_tokens: bool = False
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)  # tokenized SamplingParams.bad_words
     token_ids: list[int] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -74,11 +77,18 @@ class Request:
         if self.first_token_time is None:
             self.first_token_time = time.monotonic()
 
+    @property
+    def use_prefix_cache(self) -> bool:
+        """False for requests that need logits at every prompt position (``prompt_logprobs``)."""
+        return self.sampling_params.prompt_logprobs is None
+
     def check_stop(self, max_model_len: int) -> RequestStatus | None:
-        """Finish status implied by the last generated token, or None to keep going."""
+        """Finish status implied by the last generated token, or None to keep going. EOS and stop
+        token ids never end a request with fewer than ``min_tokens`` output tokens."""
         last = self.output_token_ids[-1]
         params = self.sampling_params
-        if (not params.ignore_eos and last in self.eos_token_ids) or last in params.stop_token_ids:
+        if self.num_output_tokens >= params.min_tokens and (
+                (not params.ignore_eos and last in self.eos_token_ids) or last in params.stop_token_ids):
             return RequestStatus.FINISHED_STOPPED
         if self.num_output_tokens >= self.max_tokens or self.num_tokens >= max_model_len:
             return RequestStatus.FINISHED_LENGTH

@@ -1,76 +1,179 @@
-"""vLLM-compatible ``SamplingParams``, validated when built.
+"""vLLM-compatible ``SamplingParams`` and ``RequestOutputKind``, validated when built.
 
-Defaults follow vLLM: ``max_tokens=16``, ``temperature=1.0``; ``temperature=0`` means greedy.
-``top_k=-1`` disables top-k (``0`` is rejected, as in vLLM before 0.8: it would keep no token);
-``top_p=1`` disables nucleus sampling.
+Defaults and meanings follow vLLM: ``max_tokens=16``, ``temperature=1.0``; a temperature below
+``1e-5`` means greedy; ``top_k`` of ``0`` or ``-1`` disables top-k, ``top_p=1`` nucleus sampling and
+``min_p=0`` min-p filtering. Penalties: ``presence_penalty`` and ``frequency_penalty`` in [-2, 2]
+act on the generated tokens (OpenAI's definition), ``repetition_penalty`` > 0 on prompt and
+generated tokens (1 = off). ``logit_bias`` adds to the logits of the given token ids (clamped to
+[-100, 100] as OpenAI does); ``allowed_token_ids`` keeps only those tokens; ``bad_words`` are
+never generated; ``min_tokens`` holds back EOS, stop token ids and stop strings until that many
+tokens exist. Token-id ranges are checked against the model's vocabulary by the engine.
 """
 
 from __future__ import annotations
 
+import enum
+import operator
 from dataclasses import dataclass, field
+
+SAMPLING_EPS = 1e-5  # temperatures below this are greedy, as in vLLM
+MAX_LOGPROBS = 20
+
+
+class RequestOutputKind(enum.Enum):
+    """What each ``RequestOutput`` of a request carries (vLLM's ``RequestOutputKind``)."""
+
+    CUMULATIVE = 0   # everything so far, every step
+    DELTA = 1        # only what is new since the previous output
+    FINAL_ONLY = 2   # one output, when the request finishes
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: object) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and v == v  # NaN != NaN
+
+
+def _token_id(v: object, name: str) -> int:
+    """An int, numpy or torch integer as a plain non-negative int; ValueError naming ``name``."""
+    if isinstance(v, bool):
+        raise ValueError(f"{name} must hold integer token ids, got {v!r}")
+    try:
+        t = operator.index(v)
+    except TypeError:
+        raise ValueError(f"{name} must hold integer token ids, got {v!r}") from None
+    if t < 0:
+        raise ValueError(f"{name} must hold non-negative token ids, got {t}")
+    return t
 
 
 @dataclass
 class SamplingParams:
-    """How to sample one request's completion(s). Raises ``ValueError`` on a bad value."""
+    """How to sample one request's completion(s). Raises ``ValueError`` naming a bad field."""
 
     n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = -1
+    top_k: int = 0
+    min_p: float = 0.0
     seed: int | None = None
-    max_tokens: int | None = 16
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None         # top-k log-probabilities of each generated token (+ the chosen one)
+    prompt_logprobs: int | None = None  # the same for each prompt token (the first is None)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    logprobs: int | None = None  # also return the top-k log-probabilities of each generated token
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        def is_int(v: object) -> bool:
-            return isinstance(v, int) and not isinstance(v, bool)
-
-        if not is_int(self.n) or self.n < 1:
+        if not _is_int(self.n) or self.n < 1:
             raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
-        if not isinstance(self.temperature, int | float) or isinstance(self.temperature, bool) \
-                or self.temperature < 0 or self.temperature != self.temperature:
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_number(v) or not -2.0 <= v <= 2.0:
+                raise ValueError(f"{name} must be a number in [-2, 2], got {v!r}")
+        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be a number > 0, got {self.repetition_penalty!r}")
+        if not _is_number(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
-        if not isinstance(self.top_p, int | float) or isinstance(self.top_p, bool) \
-                or not (0.0 < self.top_p <= 1.0):
+        if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not is_int(self.top_k) or self.top_k < -1 or self.top_k == 0:
-            raise ValueError(f"top_k must be -1 (disabled) or at least 1, got {self.top_k!r}")
-        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
-            raise ValueError(f"logprobs must be an integer in 0..20, got {self.logprobs!r}")
-        if self.seed is not None and not is_int(self.seed):
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise ValueError(f"top_k must be -1 or 0 (disabled) or at least 1, got {self.top_k!r}")
+        if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
-        if self.stop is None:
-            stops: list[str] = []
-        elif isinstance(self.stop, str):
-            stops = [self.stop]
-        elif isinstance(self.stop, list | tuple) and all(isinstance(s, str) for s in self.stop):
-            stops = list(self.stop)
-        else:
-            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
-        if any(s == "" for s in stops):
-            raise ValueError("stop strings must not be empty")
-        self._stop_list = stops
-        if self.stop_token_ids is None:
-            self.stop_token_ids = []
-        elif not isinstance(self.stop_token_ids, list | tuple) or not all(
-                is_int(t) and t >= 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}")
-        else:
-            self.stop_token_ids = list(self.stop_token_ids)
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be at most max_tokens ({self.max_tokens})")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not _is_int(v) or not 0 <= v <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be an integer in 0..{MAX_LOGPROBS}, got {v!r}")
+        self._stop_list = self._string_list(self.stop, "stop")
+        self.bad_words = self._string_list(self.bad_words, "bad_words")
+        self.stop_token_ids = self._id_list(self.stop_token_ids, "stop_token_ids")
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = self._id_list(self.allowed_token_ids, "allowed_token_ids")
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must not be empty")
+        if self.logit_bias is not None:
+            self.logit_bias = self._bias(self.logit_bias)
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+
+    @staticmethod
+    def _string_list(value: object, name: str) -> list[str]:
+        if value is None:
+            return []
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, list | tuple) or not all(isinstance(s, str) for s in value):
+            raise ValueError(f"{name} must be a string or a list of strings, got {value!r}")
+        if any(s == "" for s in value):
+            raise ValueError(f"{name} strings must not be empty")
+        return list(value)
+
+    @staticmethod
+    def _id_list(value: object, name: str) -> list[int]:
+        if value is None:
+            return []
+        if isinstance(value, str | bytes) or not hasattr(value, "__iter__"):
+            raise ValueError(f"{name} must be a list of token ids, got {value!r}")
+        return [_token_id(t, name) for t in value]
+
+    @staticmethod
+    def _bias(value: object) -> dict[int, float]:
+        if not isinstance(value, dict):
+            raise ValueError(f"logit_bias must be a dict of token id -> bias, got {value!r}")
+        out = {}
+        for k, v in value.items():
+            try:
+                token = _token_id(int(k) if isinstance(k, str) else k, "logit_bias")
+            except ValueError:
+                raise ValueError(f"logit_bias keys must be token ids, got {k!r}") from None
+            if not _is_number(v):
+                raise ValueError(f"logit_bias values must be numbers, got {v!r} for token {k!r}")
+            out[token] = max(-100.0, min(100.0, float(v)))
+        return out
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < SAMPLING_EPS
 
     @property
     def stop_strings(self) -> list[str]:
         return self._stop_list
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def has_logits_processors(self) -> bool:
+        """Anything that changes the logits before sampling, besides temperature/top-k/top-p/min-p."""
+        return bool(self.has_penalties or self.logit_bias or self.allowed_token_ids or self.bad_words
+                    or self.min_tokens)
+
+    def token_ids_to_check(self) -> list[int]:
+        """Every token id the request names (for the engine's vocabulary check)."""
+        return [*self.stop_token_ids, *(self.allowed_token_ids or ()), *(self.logit_bias or ())]

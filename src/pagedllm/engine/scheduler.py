@@ -52,6 +52,7 @@ class SchedulerOutput:
     copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) blocks, before any write
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host) blocks, first of all
     swap_in: list[tuple[int, int]] = field(default_factory=list)   # (host, device): prefetched during the step
+    swapped_in: list[str] = field(default_factory=list)  # requests whose blocks swap_in brings back
 
     @property
     def num_batched_tokens(self) -> int:
@@ -101,7 +102,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            if num_new == 0:  # waiting for its next token to be chosen (beam search)
+            if num_new == 0:  # nothing to compute until its next token is chosen (beam search)
                 i += 1
                 continue
             while not self.kv.allocate_slots(req.request_id, req.num_computed_tokens + num_new,
@@ -127,10 +128,12 @@ class Scheduler:
                 self.swapped.pop(0)
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
+                out.swapped_in.append(req.request_id)
         if not out.preempted and not self.swapped:
             while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 req = self.waiting[0]
-                cached = self.kv.cached_prefix(req.request_id, req.token_ids, req.cache_salt)
+                cached = self.kv.cached_prefix(req.request_id, req.token_ids, req.cache_salt) \
+                    if req.use_prefix_cache else []
                 num_cached = len(cached) * self.kv.block_size
                 num_new = min(req.num_tokens - num_cached, budget)
                 if not self.kv.allocate_slots(req.request_id, num_cached + num_new, cached,
@@ -138,22 +141,13 @@ class Scheduler:
                     break
                 if req.num_preemptions == 0:  # count each prompt once, not its recomputations
                     self.kv.record_prefix_query(req.num_tokens, num_cached)
+                    req.num_cached_tokens = num_cached
                 req.num_computed_tokens = num_cached
                 self.waiting.popleft()
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
                 out.chunks.append(self._chunk(req, num_new))
                 budget -= num_new
-        if not out.chunks and (self.waiting or self.swapped):
-            parked = [r for r in self.running if r.num_computed_tokens == r.num_tokens]
-            if parked:
-                # Only requests waiting for an outside choice (beam search) are running, and that
-                # choice waits on requests that cannot get memory: release one, to the back of the
-                # queue (it already delivered its logprobs), so the others can run.
-                victim = parked[-1]
-                self.running.remove(victim)
-                self._preempt(victim, to_back=True)
-                out.preempted.append(victim.request_id)
         out.copies = self.kv.take_copies()
         out.swap_out, out.swap_in = self.kv.take_swaps()
         return out
@@ -168,6 +162,14 @@ class Scheduler:
             sample=start + num_new == req.num_tokens,
             fork_ids=[f.request_id for f in req.pending_forks] if start + num_new == req.num_tokens else [],
         )
+
+    def preempt(self, request_id: str) -> None:
+        """Release a running request's blocks now and requeue it at the back, to be recomputed (a beam
+        that has delivered its log-probabilities while its siblings wait for memory)."""
+        req = self.requests[request_id]
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+            self._preempt(req, to_back=True)
 
     def _preempt(self, req: Request, to_back: bool = False) -> None:
         self.kv.record_preemption()
@@ -225,12 +227,18 @@ class Scheduler:
     def fork(self, parent_id: str, child: Request) -> None:
         """Start ``child`` (same tokens as the parent) sharing the parent's computed blocks; if the
         parent holds none right now (preempted), the child recomputes from the waiting queue."""
-        parent = self.requests[parent_id]
         if child.request_id in self.requests:
             raise ValueError(f"request id {child.request_id!r} is already in use")
         self.requests[child.request_id] = child
-        if parent.status is RequestStatus.RUNNING and parent_id in self.kv.tables and self.kv.fork(
-                parent_id, child.request_id, parent.num_computed_tokens):
+        self._join(self.requests[parent_id], child)
+
+    def _join(self, parent: Request, child: Request) -> None:
+        """Run ``child`` on the parent's computed blocks (shared) if the parent holds them and a
+        sequence slot is free (``max_num_seqs``); else queue it to be recomputed (its full prompt
+        blocks are usually still prefix-cache hits)."""
+        if (parent.status is RequestStatus.RUNNING and len(self.running) < self.config.max_num_seqs
+                and parent.request_id in self.kv.tables
+                and self.kv.fork(parent.request_id, child.request_id, parent.num_computed_tokens)):
             child.num_computed_tokens = parent.num_computed_tokens
             child.status = RequestStatus.RUNNING
             self.running.append(child)
@@ -241,13 +249,7 @@ class Scheduler:
 
     def _start_fork(self, parent: Request, fork: Request, token: int) -> Request:
         """A sibling takes the parent's computed prompt blocks (shared) and its own first token."""
-        if self.kv.fork(parent.request_id, fork.request_id, parent.num_computed_tokens):
-            fork.num_computed_tokens = parent.num_computed_tokens
-            fork.status = RequestStatus.RUNNING
-            self.running.append(fork)
-        else:  # no room to fork (contiguous layout): recompute it from the waiting queue
-            fork.status = RequestStatus.PREEMPTED
-            self.waiting.appendleft(fork)
+        self._join(parent, fork)
         fork.append_output(token)
         status = fork.check_stop(self.config.max_model_len)
         if status is not None:

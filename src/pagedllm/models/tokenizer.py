@@ -1,4 +1,4 @@
-"""Tokenizer, chat template and incremental detokenizer, all through HF ``transformers``.
+"""Tokenizer and chat template, through HF ``transformers`` (detokenization: ``engine/detokenizer.py``).
 
 A GGUF file carries its own tokenizer; building it with transformers takes seconds, so the
 result is saved once under the cache folder (``$PAGEDLLM_CACHE_DIR``, default
@@ -58,6 +58,11 @@ class Tokenizer:
         return cls(tok)
 
     @property
+    def backend(self):
+        """The ``tokenizers.Tokenizer`` behind a fast tokenizer (None for a slow one)."""
+        return getattr(self.hf, "backend_tokenizer", None)
+
+    @property
     def eos_token_id(self) -> int | None:
         return self.hf.eos_token_id
 
@@ -71,38 +76,14 @@ class Tokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
+    def decode_each(self, token_ids: list[int]) -> list[str]:
+        """Each token's own text (special tokens included), as vLLM's ``Logprob.decoded_token``."""
+        if self.backend is not None:
+            return self.backend.decode_batch([[t] for t in token_ids], skip_special_tokens=False)
+        return [self.hf.decode([t], skip_special_tokens=False) for t in token_ids]
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         if not getattr(self.hf, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template; use generate() with plain text")
         text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
         return self.encode(text, add_special_tokens=False)
-
-
-class IncrementalDetokenizer:
-    """Turns a growing list of token ids into text deltas without re-decoding everything.
-
-    Decodes a short window (from ``prefix_offset``) and emits what the newest tokens added, holding
-    back text that ends in an incomplete UTF-8 sequence until the next token completes it.
-    """
-
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
-        self.tokenizer = tokenizer
-        self.skip_special_tokens = skip_special_tokens
-        self.token_ids: list[int] = []
-        self.prefix_offset = 0
-        self.read_offset = 0
-        self.text = ""
-
-    def add(self, token_id: int) -> str:
-        """Add one token; return the newly readable text (possibly empty)."""
-        self.token_ids.append(token_id)
-        decode = self.tokenizer.decode
-        prefix = decode(self.token_ids[self.prefix_offset:self.read_offset], self.skip_special_tokens)
-        full = decode(self.token_ids[self.prefix_offset:], self.skip_special_tokens)
-        if len(full) > len(prefix) and not full.endswith("\ufffd"):
-            delta = full[len(prefix):]
-            self.prefix_offset = self.read_offset
-            self.read_offset = len(self.token_ids)
-            self.text += delta
-            return delta
-        return ""
