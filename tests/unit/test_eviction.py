@@ -125,3 +125,90 @@ def test_preemption_victim_follows_the_policy(policy, expected):
     # lru: newest (c); lfu: least used (a); size-weighted: mean uses / size lowest (b: 0.36);
     # lru-lfu: lowest mean LRFU value (a: one use; the shared blocks were used three times)
     assert ["a", "b", "c"][kv.choose_victim(["a", "b", "c"])] == expected
+
+
+HEAP_POLICIES = ("lfu", "lru-lfu", "size-weighted")
+HEAP_SLACK = 16  # stale heap entries tolerated on top of twice the live ones
+
+
+def heap_entries(policy) -> int:
+    """Entries in a heap policy's heap, stale ones included (white box: the defect is memory)."""
+    return len(policy._heap)
+
+
+def prefix_hit_run(policy: str, cycles: int, compact: bool = True) -> tuple[KVCacheManager, list[list[int]]]:
+    """A 16-block manager serving ``cycles`` requests over 5 prompt families (3 full blocks each),
+    so every request hits its family's cached prefix and families evict each other.
+
+    Returns the manager and each request's block ids (the exact reuse order). With ``compact=False``
+    the heap is never compacted: the reference the compacting heap must match."""
+    kv = KVCacheManager(num_blocks=16, block_size=8, eviction_policy=policy)
+    heap = kv.allocator.free_blocks
+    if not compact:
+        heap._maybe_compact = lambda: None
+    families = [[1000 * f + t for t in range(24)] for f in range(5)]
+    trace = []
+    for i in range(cycles):
+        rid = f"r{i}"
+        tokens = families[(i * 7) % 5 if i % 3 else i % 5] + [i % 11, i % 13]
+        cached = kv.cached_prefix(rid, tokens)
+        assert kv.allocate_slots(rid, len(tokens), cached)
+        kv.cache_full_blocks(rid, tokens, len(tokens))
+        if i % 4 == 0:  # a second request holds blocks while the first is live
+            other = f"o{i}"
+            assert kv.allocate_slots(other, 8 * (1 + i % 3))
+            trace.append(kv.block_ids(other))
+            kv.free(other)
+        trace.append(kv.block_ids(rid))
+        kv.free(rid)
+        if compact:
+            assert heap_entries(heap) <= 2 * len(heap) + HEAP_SLACK, (i, heap_entries(heap), len(heap))
+    kv.check_invariants()
+    trace.append([b.block_id for b in kv.allocator.allocate(16)])
+    return kv, trace
+
+
+@pytest.mark.parametrize("policy", HEAP_POLICIES)
+def test_heap_policies_stay_bounded_over_many_prefix_hits(policy):
+    kv, _ = prefix_hit_run(policy, 10_000)  # asserts the bound after every request
+    assert kv.allocator.num_evictions > 100  # families evicted each other: pop order mattered
+
+
+@pytest.mark.parametrize("policy", HEAP_POLICIES)
+def test_compacting_the_heap_keeps_the_exact_reuse_order(policy):
+    kv, compacted = prefix_hit_run(policy, 2_000)
+    _, reference = prefix_hit_run(policy, 2_000, compact=False)
+    assert compacted == reference
+    if policy != "lru-lfu":  # LRFU keys grow with time: here pops drain its stale entries first
+        assert kv.allocator.free_blocks.num_compactions > 0
+
+
+def touch_cycles(policy: str, compact: bool = True) -> tuple[BlockAllocator, list[int]]:
+    """4 cached blocks; block 0 hit 10,000 times, and every 100 hits one block is reused and freed
+    again. Returns the allocator and the reused blocks in order."""
+    alloc, blocks = cached_pool(policy, 4)
+    heap = alloc.free_blocks
+    if not compact:
+        heap._maybe_compact = lambda: None
+    reused = []
+    for i in range(10_000):
+        hit(alloc, blocks[0])
+        if i % 100 == 99:
+            (b,) = alloc.allocate(1)
+            b.block_hash = 2000 + i
+            reused.append(b.block_id)
+            alloc.free([b])
+        if compact:
+            assert heap_entries(heap) <= 2 * len(heap) + HEAP_SLACK
+    return alloc, reused
+
+
+@pytest.mark.parametrize("policy", HEAP_POLICIES)
+def test_free_touch_cycles_keep_the_heap_bounded_and_the_order_exact(policy):
+    alloc, reused = touch_cycles(policy)
+    assert alloc.free_blocks.num_compactions > 0
+    assert reused == touch_cycles(policy, compact=False)[1]
+    # blocks 1..3 have one use each (a reuse restarts the count), block 0 thousands: the three
+    # take turns, least recent first, and block 0 is never reused
+    assert reused == [1, 2, 3] * 33 + [1]
+    assert ids(alloc.allocate(4)) == [2, 3, 1, 0]

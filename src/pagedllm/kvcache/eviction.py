@@ -14,6 +14,11 @@ block was taken back by a cache hit). All are O(1) (``lru``) or O(log n) (heap-b
   blocks the owning sequence held when it freed this one and ``L`` rises to each evicted priority
   (ageing); prefers freeing large, rarely used entries.
 Non-LRU policies hand out blocks that cache nothing before any cached block.
+
+Heap policies remove lazily: ``remove`` and re-``push`` leave the old heap entry behind, skipped
+when it surfaces. Invariant: the heap holds at most ``2 * live + COMPACT_SLACK`` entries; when
+stale entries pass that, the heap is rebuilt from its live entries (the same tuples, so the pop
+order does not change), which costs O(1) amortized per operation.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from pagedllm.kvcache.block import Block, FreeBlockQueue
 
 POLICIES = ("lru", "lfu", "lru-lfu", "size-weighted")
 LRFU_LAMBDA = 0.5  # LRFU decay per clock tick: 0 = LFU, 1 ~ LRU
+COMPACT_SLACK = 16  # stale heap entries tolerated on top of twice the live ones
 
 
 class LRUPolicy:
@@ -63,6 +69,7 @@ class _HeapPolicy:
         self._heap: list[tuple] = []
         self._entry: dict[int, int] = {}  # block id -> live entry number
         self._counter = itertools.count()
+        self.num_compactions = 0
         for b in blocks:
             self.push(b)
 
@@ -76,26 +83,39 @@ class _HeapPolicy:
         return block.block_id in self._entry
 
     def __iter__(self) -> Iterator[Block]:
-        live = [e for e in self._heap if self._entry.get(e[-1].block_id) == e[-2]]
-        return iter([e[-1] for e in sorted(live)])
+        return iter([e[-1] for e in sorted(e for e in self._heap if self._is_live(e))])
+
+    def _is_live(self, entry: tuple) -> bool:
+        return self._entry.get(entry[-1].block_id) == entry[-2]
+
+    def _maybe_compact(self) -> None:
+        """Drop stale entries once they outnumber the live ones (plus a slack). The live entries
+        keep their tuples, so the heap pops them in exactly the same order as before."""
+        if len(self._heap) > 2 * len(self._entry) + COMPACT_SLACK:
+            self._heap = [e for e in self._heap if self._is_live(e)]
+            heapq.heapify(self._heap)
+            self.num_compactions += 1
 
     def push(self, block: Block) -> None:
         n = next(self._counter)
         self._entry[block.block_id] = n
         empty = 0 if block.block_hash is None else 1
         heapq.heappush(self._heap, (empty, *self.key(block), n, block))
+        self._maybe_compact()
 
     def remove(self, block: Block) -> None:
         if self._entry.pop(block.block_id, None) is None:
             raise ValueError(f"{block} is not free")
+        self._maybe_compact()
 
     def pop(self) -> Block:
         while self._heap:
             entry = heapq.heappop(self._heap)
-            block = entry[-1]
-            if self._entry.get(block.block_id) == entry[-2]:
+            if self._is_live(entry):
+                block = entry[-1]
                 del self._entry[block.block_id]
                 self.on_evict(entry)
+                self._maybe_compact()
                 return block
         raise IndexError("no free blocks")
 
