@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from pagedllm.kvcache.allocator import BlockAllocator
 from pagedllm.kvcache.block import Block
 from pagedllm.kvcache.block_table import BlockTable
-from pagedllm.kvcache.hashing import extend_block_hashes
+from pagedllm.kvcache.hashing import DEFAULT_HASH_ALGO, BlockHasher
 from pagedllm.kvcache.host_pool import HostBlockPool
 from pagedllm.kvcache.prefix_cache import PrefixCache
 
@@ -28,9 +28,11 @@ class KVCacheManager:
     layout = "paged"
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 eviction_policy: str = "lru", num_host_blocks: int = 0) -> None:
+                 eviction_policy: str = "lru", num_host_blocks: int = 0,
+                 hash_algo: str = DEFAULT_HASH_ALGO) -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.hasher = BlockHasher(hash_algo)
         self.allocator = BlockAllocator(num_blocks, eviction_policy)
         self.prefix_cache = PrefixCache()
         self.allocator.on_evict = self.prefix_cache.evict
@@ -69,7 +71,7 @@ class KVCacheManager:
     # -- prefix cache ----------------------------------------------------------------------------
     def block_hashes(self, request_id: str, token_ids: Sequence[int], salt: str | None = None) -> list[int]:
         hashes = self._hashes.setdefault(request_id, [])
-        extend_block_hashes(hashes, token_ids, self.block_size, (salt or "").encode())
+        self.hasher.extend(hashes, token_ids, self.block_size, (salt or "").encode())
         return hashes
 
     def cached_prefix(self, request_id: str, token_ids: Sequence[int], salt: str | None = None) -> list[Block]:
