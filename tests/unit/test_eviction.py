@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pagedllm.kvcache import BlockAllocator, KVCacheManager
-from pagedllm.kvcache.eviction import LRFU_LAMBDA
+from pagedllm.kvcache import Block, BlockAllocator, KVCacheManager
+from pagedllm.kvcache.eviction import LRFU_LAMBDA, POLICIES, make_policy
 
 
 def ids(blocks):
@@ -212,3 +212,33 @@ def test_free_touch_cycles_keep_the_heap_bounded_and_the_order_exact(policy):
     # take turns, least recent first, and block 0 is never reused
     assert reused == [1, 2, 3] * 33 + [1]
     assert ids(alloc.allocate(4)) == [2, 3, 1, 0]
+
+
+def held(*uses_and_crf: tuple[int, float]) -> list[Block]:
+    """The blocks one request holds, with the given (uses, crf) each."""
+    out = []
+    for uses, crf in uses_and_crf:
+        b = Block(len(out))
+        b.uses, b.crf = uses, crf
+        out.append(b)
+    return out
+
+
+@pytest.mark.parametrize("policy,expected", [("lru", 3), ("lfu", 1), ("size-weighted", 0), ("lru-lfu", 3)])
+def test_each_policy_chooses_its_own_victim(policy, expected):
+    candidates = [
+        held(*[(2, 0.5)] * 4),    # 0: mean uses 2, uses/size 0.5, mean crf 0.5
+        held((1, 2.0)),           # 1: mean uses 1, uses/size 1, mean crf 2
+        [],                       # 2: holds nothing: never worth preempting (+inf)
+        held((3, 0.5), (3, 0.5)),  # 3: mean uses 3, uses/size 1.5, mean crf 0.5 (ties 0: newest wins)
+    ]
+    assert make_policy(policy, []).victim_index(candidates) == expected
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_victim_ties_go_to_the_newest_and_empty_requests_last(policy):
+    same = [held((2, 1.0)), held((2, 1.0)), held((2, 1.0))]
+    assert make_policy(policy, []).victim_index(same) == 2
+    assert make_policy(policy, []).victim_index([[], [], []]) == 2
+    if policy != "lru":  # lru always takes the newest, even one holding nothing
+        assert make_policy(policy, []).victim_index([held((2, 1.0)), held((9, 9.0)), []]) == 0
