@@ -20,14 +20,19 @@ def test_random_allocate_append_free_keeps_invariants(num_blocks, block_size, op
         if op == "grow":
             target = sizes.get(rid, 0) + amount
             before = kv.num_free_blocks
+            held = list(kv.tables[rid].block_ids) if rid in kv.tables else None
+            needed = -(-target // block_size) - len(held or [])  # blocks this growth takes
             ok = kv.allocate_slots(rid, target)
-            needed = -(-target // block_size) - len(kv.tables[rid].blocks if rid in kv.tables and ok else [])
+            # it fails exactly when the blocks it needs exceed the free ones
+            assert ok == (needed <= before), (needed, before)
             if ok:
                 sizes[rid] = target
                 assert len(kv.tables[rid].blocks) == -(-target // block_size)
-            else:
-                assert kv.num_free_blocks == before  # failure changes nothing
-                assert needed >= 0
+                assert kv.tables[rid].block_ids[:len(held or [])] == (held or [])  # growth only appends
+                assert kv.num_free_blocks == before - needed
+            else:  # failure changes nothing
+                assert kv.num_free_blocks == before
+                assert (kv.tables[rid].block_ids if rid in kv.tables else None) == held
         else:
             kv.free(rid)
             sizes.pop(rid, None)

@@ -7,7 +7,6 @@ import pytest
 from pagedllm.engine.request import Request
 from pagedllm.engine.sampling_params import SamplingParams
 from pagedllm.kvcache import KVCacheManager
-from pagedllm.kvcache.hashing import ROOT_HASH, hash_block
 from tests.unit.test_scheduler import make, run_to_end
 
 B = 8
@@ -29,14 +28,6 @@ def serve(sched, model, *reqs):
 
 def stats(sched):
     return sched.kv.stats()
-
-
-def test_hash_chain_depends_on_parent_tokens_and_salt():
-    a = hash_block(ROOT_HASH, [1, 2, 3])
-    assert a == hash_block(ROOT_HASH, [1, 2, 3])
-    assert a != hash_block(ROOT_HASH, [1, 2, 4])
-    assert a != hash_block(ROOT_HASH, [1, 2, 3], b"tenant-a")
-    assert hash_block(a, [5]) != hash_block(hash_block(ROOT_HASH, [9, 9, 9]), [5])
 
 
 def test_shared_system_prompt_hits_its_full_blocks():

@@ -126,7 +126,16 @@ def test_newest_request_is_preempted_and_recomputed_later():
     for rid in "abc":
         sched.add(req(rid, 16, 16))
     out = sched.schedule()
-    assert [c.request_id for c in out.chunks] == ["a", "b", "c"] or len(out.chunks) <= 3
+    # step 1: the three 16-token prompts fit the budget (48 <= 64) and the pool (2 blocks each)
+    assert [(c.request_id, c.start_pos, c.num_tokens, c.block_ids, c.sample) for c in out.chunks] == [
+        ("a", 0, 16, [0, 1], True), ("b", 0, 16, [2, 3], True), ("c", 0, 16, [4, 5], True)]
+    assert out.preempted == []
+    sched.update(out, model.run(out))
+    # step 2: each decode needs a third block and none is free: the newest (c) makes room for a and b
+    out = sched.schedule()
+    assert out.preempted == ["c"]
+    assert [(c.request_id, c.start_pos, c.num_tokens) for c in out.chunks] == [("a", 16, 1), ("b", 16, 1)]
+    sched.update(out, model.run(out))
     outputs = run_to_end(sched, model)
     assert sched.kv.num_preemptions > 0
     # the same requests with plenty of memory give the same tokens
@@ -203,17 +212,25 @@ def test_swap_preemption_moves_blocks_to_the_host_and_back_with_the_same_outputs
             s.add(req(rid, 16, 16, first=10 + ord(rid)))
     saw_swapped = False
     outputs = {}
+    num_swapped_in = 0
+    awaiting_compute: set[str] = set()  # swapped back in, not computed since
     while sched.has_unfinished():
+        swapped_before = list(sched.swapped)
         out = sched.schedule()
         saw_swapped |= bool(sched.swapped)
-        if out.swap_in:
-            # a request coming back is not computed in the step that prefetches it
-            back = {sched.kv.tables[r].block_ids[0] for r in sched.kv.tables}
-            assert all(c.block_ids[0] in back for c in out.chunks)
+        came_back = {r.request_id for r in swapped_before if r.status is RequestStatus.RUNNING}
+        assert bool(came_back) == bool(out.swap_in)
+        computed = {c.request_id for c in out.chunks}
+        # a request whose blocks are being copied in during this step is not computed in it ...
+        assert not came_back & computed, (came_back, computed)
+        awaiting_compute = (awaiting_compute - computed) | came_back
+        num_swapped_in += len(came_back)
         for r in sched.update(out, model.run(out)):
             if r.status.finished:
                 outputs[r.request_id] = r.output_token_ids
         sched.kv.check_invariants()
+    # ... and every one of them was computed in a later step
+    assert num_swapped_in > 0 and not awaiting_compute
     stats = sched.kv.stats()
     assert saw_swapped and stats["num_swapped_out_blocks"] > 0
     assert stats["num_swapped_out_blocks"] == stats["num_swapped_in_blocks"]

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from pagedllm.config import SchedulerConfig
 from pagedllm.engine.request import Request, RequestStatus
-from pagedllm.kvcache.manager import KVCacheManager
+from pagedllm.kvcache.interface import KVCacheManagerProtocol
 
 
 @dataclass
@@ -67,7 +67,7 @@ class SchedulerOutput:
 class Scheduler:
     """Iteration-level scheduler over a ``KVCacheManager``."""
 
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManagerProtocol) -> None:
         self.config = config
         self.kv = kv
         self.waiting: deque[Request] = deque()

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from pagedllm.kvcache.block import Block
-from pagedllm.kvcache.eviction import LRFU_LAMBDA, make_policy
+from pagedllm.kvcache.eviction import LRFU_LAMBDA, EvictionPolicy, make_policy
 
 
 class BlockAllocator:
@@ -21,7 +21,7 @@ class BlockAllocator:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free_blocks = make_policy(eviction_policy, self.blocks)
+        self.free_blocks: EvictionPolicy = make_policy(eviction_policy, self.blocks)
         self.clock = 0
         self.on_evict: Callable[[Block], None] | None = None
         self.num_evictions = 0

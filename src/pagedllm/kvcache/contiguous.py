@@ -4,8 +4,9 @@ Each request reserves one contiguous run of slots up front, sized for the longes
 (``max_model_len`` tokens, or with ``reservation="request"`` its own prompt + max_tokens), on
 the same block pool and block-table interface as the paged manager, so the engine, kernels and
 benchmarks are unchanged: only this object differs. Runs are placed first-fit, so the pool also
-suffers external fragmentation (free slots scattered between runs). No prefix sharing.
-Invariants: runs never overlap; free + reserved == total.
+suffers external fragmentation (free slots scattered between runs). No prefix sharing, no swap;
+a fork copies the parent's blocks into its own run at once (``CopyOnWrite.add``). Implements
+``KVCacheManagerProtocol`` (``interface.py``). Invariants: runs never overlap; free + reserved == total.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from collections.abc import Sequence
 
 from pagedllm.kvcache.block import Block
 from pagedllm.kvcache.block_table import BlockTable
+from pagedllm.kvcache.copy_on_write import CopyOnWrite
 
 RESERVATIONS = ("max_model_len", "request")
 
@@ -36,8 +38,11 @@ class ContiguousKVCacheManager:
         self.tables: dict[str, BlockTable] = {}
         self.num_preemptions = 0
         self.num_admission_stalls = 0  # a reservation found no contiguous run
-        self.num_cow_copies = 0
-        self._pending_copies: list[tuple[int, int]] = []
+        self.cow = CopyOnWrite()
+
+    @property
+    def num_cow_copies(self) -> int:
+        return self.cow.num_copies
 
     @property
     def num_blocks(self) -> int:
@@ -60,7 +65,8 @@ class ContiguousKVCacheManager:
     def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
         pass
 
-    def cache_full_blocks(self, *args, **kwargs) -> None:
+    def cache_full_blocks(self, request_id: str, token_ids: Sequence[int], num_computed: int,
+                          salt: str | None = None) -> None:
         pass
 
     def _first_fit(self, n: int) -> int | None:
@@ -105,13 +111,12 @@ class ContiguousKVCacheManager:
             return False
         table.num_slots = num_computed
         used = self.blocks_for_tokens(num_computed)
-        self._pending_copies.extend(zip(parent.block_ids[:used], table.block_ids[:used], strict=True))
-        self.num_cow_copies += used
+        for src, dst in zip(parent.block_ids[:used], table.block_ids[:used], strict=True):
+            self.cow.add(src, dst)
         return True
 
     def take_copies(self) -> list[tuple[int, int]]:
-        copies, self._pending_copies = self._pending_copies, []
-        return copies
+        return self.cow.take()
 
     def block_ids(self, request_id: str) -> list[int]:
         return self.tables[request_id].block_ids
@@ -128,6 +133,9 @@ class ContiguousKVCacheManager:
 
     def swap_out(self, request_id: str) -> bool:
         return False  # reservations never grow, so nothing is ever preempted here
+
+    def swap_in(self, request_id: str, num_slots: int) -> bool:
+        raise KeyError(f"request {request_id!r} is not swapped out (the contiguous layout never swaps)")
 
     def take_swaps(self) -> tuple[list, list]:
         return [], []

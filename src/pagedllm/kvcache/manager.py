@@ -1,12 +1,21 @@
 """KVCacheManager: the one facade between the scheduler and paged KV memory.
 
-Owns the ``BlockAllocator`` (with its eviction policy), the ``PrefixCache`` and, per request, a
-``BlockTable`` plus the chained hashes of its full blocks. The scheduler asks it for the cached
-prefix of a request (``cached_prefix``), to reserve slots (``allocate_slots``), to register blocks
-that became full (``cache_full_blocks``) and to release a request (``free``).
+Owns, per request, a ``BlockTable`` plus the chained hashes of its full blocks, and composes the
+parts that each do one job:
+- ``BlockAllocator`` (``allocator``): the block pool; its eviction policy orders free blocks and
+  picks preemption victims (``choose_victim``);
+- ``PrefixCache`` (``prefix_cache``) keyed by ``BlockHasher`` (``hasher``) hashes;
+- ``CopyOnWrite`` (``cow``): private copies of shared blocks before a write, queued for the runner;
+- ``SwapSpace`` (``swap``, with ``host`` its host block pool), only with a host tier: swapped-out
+  requests and the swap copies queued for the step.
+The scheduler asks it for the cached prefix of a request (``cached_prefix``), to reserve slots
+(``allocate_slots``), to register blocks that became full (``cache_full_blocks``), to fork, swap
+and release requests; the runner gets the step's copies from ``take_copies`` and ``take_swaps``.
+Its interface is ``KVCacheManagerProtocol`` (``interface.py``), shared with the contiguous baseline.
 
 Invariants (``check_invariants``): free + used == total; every block's ref count equals the
-number of block tables holding it; every prefix-cache entry points at a block carrying its hash.
+number of block tables holding it; every prefix-cache entry points at a block carrying its hash;
+every host block is free, held by one swapped-out request, or released at the next step.
 """
 
 from __future__ import annotations
@@ -17,9 +26,11 @@ from collections.abc import Sequence
 from pagedllm.kvcache.allocator import BlockAllocator
 from pagedllm.kvcache.block import Block
 from pagedllm.kvcache.block_table import BlockTable
-from pagedllm.kvcache.hashing import extend_block_hashes
+from pagedllm.kvcache.copy_on_write import CopyOnWrite
+from pagedllm.kvcache.hashing import DEFAULT_HASH_ALGO, BlockHasher
 from pagedllm.kvcache.host_pool import HostBlockPool
 from pagedllm.kvcache.prefix_cache import PrefixCache
+from pagedllm.kvcache.swap_space import SwapSpace
 
 
 class KVCacheManager:
@@ -28,9 +39,11 @@ class KVCacheManager:
     layout = "paged"
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 eviction_policy: str = "lru", num_host_blocks: int = 0) -> None:
+                 eviction_policy: str = "lru", num_host_blocks: int = 0,
+                 hash_algo: str = DEFAULT_HASH_ALGO) -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.hasher = BlockHasher(hash_algo)
         self.allocator = BlockAllocator(num_blocks, eviction_policy)
         self.prefix_cache = PrefixCache()
         self.allocator.on_evict = self.prefix_cache.evict
@@ -40,16 +53,25 @@ class KVCacheManager:
         self.num_preemptions = 0
         self.prefix_cache_queries = 0  # prompt tokens looked up
         self.prefix_cache_hits = 0     # of which were found cached
-        self.num_cow_copies = 0
-        self._pending_copies: list[tuple[int, int]] = []  # (src, dst) block copies for the runner
-        # swap to the host tier
-        self.host = HostBlockPool(num_host_blocks) if num_host_blocks else None
-        self._host_tables: dict[str, list[int]] = {}    # swapped-out request -> host block ids
-        self._swap_out: list[tuple[int, int]] = []      # (device, host) copies for this step
-        self._swap_in: list[tuple[int, int]] = []       # (host, device) copies for this step
-        self._host_release_next: list[int] = []         # host blocks whose copy-in may be in flight
-        self.num_swapped_out_blocks = 0
-        self.num_swapped_in_blocks = 0
+        self.cow = CopyOnWrite()
+        self.swap = SwapSpace(num_host_blocks) if num_host_blocks else None
+
+    @property
+    def host(self) -> HostBlockPool | None:
+        """The host tier's block pool (None without swap space)."""
+        return self.swap.pool if self.swap is not None else None
+
+    @property
+    def num_cow_copies(self) -> int:
+        return self.cow.num_copies
+
+    @property
+    def num_swapped_out_blocks(self) -> int:
+        return self.swap.num_swapped_out_blocks if self.swap is not None else 0
+
+    @property
+    def num_swapped_in_blocks(self) -> int:
+        return self.swap.num_swapped_in_blocks if self.swap is not None else 0
 
     @property
     def num_blocks(self) -> int:
@@ -69,7 +91,7 @@ class KVCacheManager:
     # -- prefix cache ----------------------------------------------------------------------------
     def block_hashes(self, request_id: str, token_ids: Sequence[int], salt: str | None = None) -> list[int]:
         hashes = self._hashes.setdefault(request_id, [])
-        extend_block_hashes(hashes, token_ids, self.block_size, (salt or "").encode())
+        self.hasher.extend(hashes, token_ids, self.block_size, (salt or "").encode())
         return hashes
 
     def cached_prefix(self, request_id: str, token_ids: Sequence[int], salt: str | None = None) -> list[Block]:
@@ -123,12 +145,8 @@ class KVCacheManager:
         held = len(table.blocks) if table is not None else 0
         need = max(0, self.blocks_for_tokens(num_slots) - held - len(cached))
         reclaimed = sum(1 for b in cached if b.ref_count == 0)  # free blocks a hit takes back
-        cow = -1
-        if table is not None and num_computed is not None and num_computed % self.block_size:
-            idx = num_computed // self.block_size
-            if idx < held and table.blocks[idx].ref_count > 1:
-                cow = idx
-        if need + reclaimed + (cow >= 0) > self.allocator.num_free:
+        cow = self.cow.shared_block_written(table, num_computed) if table is not None else None
+        if need + reclaimed + (cow is not None) > self.allocator.num_free:
             return False
         if table is None:
             table = self.tables[request_id] = BlockTable(self.block_size)
@@ -137,13 +155,8 @@ class KVCacheManager:
         if cached:
             table.append_blocks(list(cached), len(cached) * self.block_size)
             self._num_cached[request_id] = len(cached)
-        if cow >= 0:
-            shared = table.blocks[cow]
-            (copy,) = self.allocator.allocate(1)
-            table.blocks[cow] = copy
-            self.allocator.decref(shared)
-            self._pending_copies.append((shared.block_id, copy.block_id))
-            self.num_cow_copies += 1
+        if cow is not None:
+            self.cow.copy_block(table, cow, self.allocator)
         table.append_blocks(self.allocator.allocate(need), num_slots)
         return True
 
@@ -162,49 +175,37 @@ class KVCacheManager:
 
     def take_copies(self) -> list[tuple[int, int]]:
         """Block copies (src, dst) the data plane must perform before this step's writes."""
-        copies, self._pending_copies = self._pending_copies, []
-        return copies
+        return self.cow.take()
 
     # -- swap -------------------------------------------------------------------------------------
     def begin_step(self) -> None:
         """Host blocks read by the previous step's copy-in are free again (the runner waits for
         that copy before it starts the next one)."""
-        if self._host_release_next:
-            self.host.free(self._host_release_next)
-            self._host_release_next = []
+        if self.swap is not None:
+            self.swap.begin_step()
 
     def swap_out(self, request_id: str) -> bool:
         """Move a request's KV to the host tier and free its device blocks. False if the host
         tier is absent or full (the caller then falls back to recompute)."""
         table = self.tables.get(request_id)
-        if self.host is None or table is None:
+        if self.swap is None or table is None or not self.swap.swap_out(request_id, table.block_ids):
             return False
-        host_ids = self.host.allocate(len(table.blocks))
-        if host_ids is None:
-            return False
-        self._swap_out.extend(zip(table.block_ids, host_ids, strict=True))
-        self._host_tables[request_id] = host_ids
-        self.num_swapped_out_blocks += len(host_ids)
         self.free(request_id, keep_hashes=True, keep_host=True)
         return True
 
     def swap_in(self, request_id: str, num_slots: int) -> bool:
         """Give a swapped-out request fresh device blocks for its ``num_slots`` computed slots and
         schedule the copy back. False (nothing changed) if the device pool cannot hold them."""
-        host_ids = self._host_tables[request_id]
+        if self.swap is None or not self.swap.is_swapped_out(request_id):
+            raise KeyError(f"request {request_id!r} is not swapped out")
         if not self.allocate_slots(request_id, num_slots):
             return False
-        self._swap_in.extend(zip(host_ids, self.block_ids(request_id), strict=True))
-        del self._host_tables[request_id]
-        self._host_release_next.extend(host_ids)
-        self.num_swapped_in_blocks += len(host_ids)
+        self.swap.swap_in(request_id, self.block_ids(request_id))
         return True
 
     def take_swaps(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """(device->host, host->device) block copies decided since the last call."""
-        outs, ins = self._swap_out, self._swap_in
-        self._swap_out, self._swap_in = [], []
-        return outs, ins
+        return self.swap.take() if self.swap is not None else ([], [])
 
     def block_ids(self, request_id: str) -> list[int]:
         return self.tables[request_id].block_ids
@@ -213,8 +214,8 @@ class KVCacheManager:
         """Release every block of a request (no-op if it holds none). Cached blocks keep their
         hash and stay hittable until reused. ``keep_hashes`` for a request that will come back;
         ``keep_host`` keeps its swapped-out copy."""
-        if not keep_host and request_id in self._host_tables:
-            self._host_release_next.extend(self._host_tables.pop(request_id))
+        if not keep_host and self.swap is not None:
+            self.swap.drop(request_id)
         table = self.tables.pop(request_id, None)
         self._num_cached.pop(request_id, None)
         if not keep_hashes:
@@ -223,28 +224,10 @@ class KVCacheManager:
             self.allocator.free(table.blocks)
 
     def choose_victim(self, request_ids: Sequence[str]) -> int:
-        """Index (into ``request_ids``, oldest first) of the request to preempt under the policy.
-
-        ``lru``: the newest (vLLM's choice: least work lost). ``lfu``: the one whose blocks are least
-        used (mean uses: prefix-cache hits raise it). ``lru-lfu``: lowest mean LRFU value of its blocks.
-        ``size-weighted``: lowest mean uses / blocks held (large, rarely used). Ties go to the newest.
-        """
-        policy = self.allocator.free_blocks.name
-        if policy == "lru" or len(request_ids) == 1:
-            return len(request_ids) - 1
-
-        def score(rid: str) -> float:
-            blocks = self.tables[rid].blocks if rid in self.tables else []
-            if not blocks:
-                return float("inf")
-            if policy == "lru-lfu":
-                return sum(b.crf for b in blocks) / len(blocks)
-            mean_uses = sum(b.uses for b in blocks) / len(blocks)
-            return mean_uses / len(blocks) if policy == "size-weighted" else mean_uses
-
-        scores = [score(r) for r in request_ids]
-        best = min(scores)
-        return max(i for i, sc in enumerate(scores) if sc == best)
+        """Index (into ``request_ids``, oldest first) of the request to preempt: the eviction
+        policy's ``victim_index`` over the blocks each request holds (``lru``: the newest)."""
+        candidates = [self.tables[rid].blocks if rid in self.tables else [] for rid in request_ids]
+        return self.allocator.free_blocks.victim_index(candidates)
 
     def record_preemption(self) -> None:
         self.num_preemptions += 1
@@ -289,7 +272,5 @@ class KVCacheManager:
             assert block.block_hash == h, f"cache entry {h:x} points at {block} with another hash"
         for t in self.tables.values():
             assert len(t.blocks) * self.block_size >= t.num_slots
-        if self.host is not None:
-            held = [h for ids in self._host_tables.values() for h in ids] + self._host_release_next
-            assert len(set(held)) == len(held), "a host block is held twice"
-            assert self.host.num_free + len(held) == self.host.num_blocks, "host blocks leaked"
+        if self.swap is not None:
+            self.swap.check_invariants()
