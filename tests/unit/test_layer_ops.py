@@ -105,7 +105,7 @@ def test_linear_uses_the_quantized_kernel_only_for_small_steps(ops):
     assert calls == [4]
 
 
-def test_without_a_compiler_layer_ops_fall_back_to_torch_and_say_so_once(monkeypatch, caplog):
+def test_without_a_compiler_layer_ops_fall_back_to_torch_and_say_so_once(monkeypatch, caplog, without_installed_builds):
     def no_compiler(*args, **kwargs):
         raise RuntimeError("error: command 'c++' failed: No such file or directory")
 

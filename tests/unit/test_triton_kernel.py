@@ -1,11 +1,17 @@
 """Triton kernels equal the reference (so dense SDPA); on CPU they run under TRITON_INTERPRET=1
-(set in tests/conftest.py before anything imports triton). Shapes are small: the interpreter is slow."""
+(set in tests/conftest.py before anything imports triton), on a GPU compiled, through ``OnCuda``.
+Shapes are small: the interpreter is slow."""
 
 from __future__ import annotations
+
+import dataclasses
+import os
 
 import pytest
 import torch
 
+from pagedllm.attention.base import AttentionBackend
+from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.triton_kernel import TritonBackend
 from tests.unit.test_reference_attention import HEAD_DIM, assert_matches_reference, run_and_compare
 
@@ -13,9 +19,34 @@ B = 16
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
+class OnCuda(AttentionBackend):
+    """A backend run on the GPU for cases built on the CPU: inputs are copied to CUDA, and the caches
+    and outputs back (compiled Triton kernels cannot read CPU memory; the interpreter can)."""
+
+    def __init__(self, inner: AttentionBackend) -> None:
+        self.inner = inner
+        self.name = inner.name
+
+    def write_kv(self, k_cache, v_cache, key, value, meta: AttentionMetadata) -> None:
+        k_gpu, v_gpu = k_cache.cuda(), v_cache.cuda()
+        self.inner.write_kv(k_gpu, v_gpu, key.cuda(), value.cuda(), metadata_on_cuda(meta))
+        k_cache.copy_(k_gpu)
+        v_cache.copy_(v_gpu)
+
+    def forward(self, query, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        return self.inner.forward(query.cuda(), k_cache.cuda(), v_cache.cuda(), metadata_on_cuda(meta)).cpu()
+
+
+def metadata_on_cuda(meta: AttentionMetadata) -> AttentionMetadata:
+    return dataclasses.replace(meta, slot_mapping=meta.slot_mapping.cuda(), query_start_loc=meta.query_start_loc.cuda(),
+                               seq_lens=meta.seq_lens.cuda(), block_tables=meta.block_tables.cuda())
+
+
 @pytest.fixture(scope="module")
 def backend():
-    return TritonBackend(HEAD_DIM ** -0.5)
+    triton_backend = TritonBackend(HEAD_DIM ** -0.5)
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    return triton_backend if interpreted or not torch.cuda.is_available() else OnCuda(triton_backend)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

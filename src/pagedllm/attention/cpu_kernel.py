@@ -1,9 +1,9 @@
 """The C++ paged-attention backend for CPU (``attention_backend="cpu"``).
 
-Compiled on first use with ``torch.utils.cpp_extension`` (``-O3 -march=native``, OpenMP through
-ATen's thread pool) into ``<cache>/kernels/<hash>`` and loaded from there afterwards. If the
-build fails (no compiler), ``load_cpu_kernel`` returns None and says why once; the backend
-selector then falls back to the reference.
+Compiled when the package is installed (``-O3 -march=native``, OpenMP through ATen's thread
+pool), or on first use where that build does not fit this machine (``pagedllm/cpu_extension.py``).
+If no build can be had (no compiler), ``load_cpu_kernel`` returns None and says why once; the
+backend selector then falls back to the reference.
 """
 
 from __future__ import annotations

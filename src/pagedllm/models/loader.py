@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pagedllm.cache_dir import cache_dir
 from pagedllm.config import ModelConfig, RopeScaling
 from pagedllm.errors import ModelLoadError
 from pagedllm.models.gguf_quant import SUPPORTED as KEPT_QUANT_TYPES
@@ -94,8 +95,6 @@ GGUF_CACHE_VERSION = 2  # 2: + GGUF codes/scales of Q4_0/Q4_1/Q8_0 tensors
 
 
 def _gguf_cache_folder(path: Path) -> Path:
-    from pagedllm.models.tokenizer import cache_dir
-
     st = path.stat()
     key = hashlib.sha1(
         f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}:{GGUF_CACHE_VERSION}".encode()).hexdigest()[:16]

@@ -16,11 +16,9 @@ from pathlib import Path
 
 import transformers
 
+from pagedllm.cache_dir import cache_dir
+
 log = logging.getLogger(__name__)
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("PAGEDLLM_CACHE_DIR", Path.home() / ".cache" / "pagedllm"))
 
 
 class Tokenizer:
