@@ -6,9 +6,11 @@ PROMPT ?= Explain in two sentences why a paged KV cache saves memory.
 # The C++ extensions are compiled by the install step, so changing one of these re-runs it.
 CSRC   := $(wildcard src/pagedllm/*/csrc/*.cpp src/pagedllm/csrc/*.h)
 # What the offline GPU machine lacks (scripts/gpu_check.sh): gguf and pydantic as pinned in
-# pyproject.toml, and the packages pydantic 2.14.3 requires that are not there either.
+# pyproject.toml, and the packages pydantic 2.14.3 requires that are not there either (its
+# typing_extensions, 4.12, is older than pydantic needs; 4.16 is what the venv here runs with).
 GPU_WHEELS     := .gpu-wheels
-GPU_WHEEL_PINS := gguf==0.19.0 pydantic==2.14.3 pydantic-core==2.50.4 annotated-types==0.8.0 typing-inspection==0.4.5
+GPU_WHEEL_PINS := gguf==0.19.0 pydantic==2.14.3 pydantic-core==2.50.4 annotated-types==0.8.0 typing-inspection==0.4.5 \
+                  typing-extensions==4.16.0
 GPU_TARGET     := --python-version 3.12 --platform manylinux2014_x86_64 --only-binary=:all: --no-deps
 
 .PHONY: run test lint bench clean gpu-wheels

@@ -5,7 +5,8 @@
 #
 # It runs with the machine's own python3 (torch, triton, transformers, tokenizers, safetensors,
 # numpy, pytest, ...) and src/ on PYTHONPATH; nothing is installed from the network. What that
-# python lacks (gguf, pydantic and pydantic's own dependencies) comes along as wheels built here by
+# python lacks (gguf, pydantic and pydantic's own dependencies, a newer typing_extensions among
+# them) comes along as wheels built here by
 # `make gpu-wheels` into .gpu-wheels/, which this script unpacks into .gpu-site/.
 #
 # Through the session's device tool, which copies the working tree but git-ignored paths only
@@ -45,7 +46,7 @@ import importlib
 import torch, triton, transformers
 print("python", __import__("sys").version.split()[0], "| torch", torch.__version__, "cuda", torch.version.cuda,
       "| triton", triton.__version__, "| transformers", transformers.__version__, "|", torch.cuda.get_device_name())
-for name in ("gguf", "pydantic"):  # brought as wheels; pagedllm's GPU path needs neither
+for name in ("gguf", "pydantic"):  # brought as wheels; pagedllm.config needs pydantic
     try:
         module = importlib.import_module(name)
         print(name, getattr(module, "__version__", ""), "from", module.__file__)

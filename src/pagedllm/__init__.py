@@ -1,7 +1,8 @@
 """pagedllm: LLM inference over a block-paged KV cache with continuous batching.
 
 Public API (imported lazily so ``import pagedllm`` stays cheap): ``LLM``, ``SamplingParams``,
-``RequestOutput``, ``CompletionOutput``, and the errors in ``pagedllm.errors``.
+``RequestOutputKind``, ``RequestOutput``, ``CompletionOutput``, ``Logprob``, ``BeamSearchParams``,
+``EngineOptions``, and the errors in ``pagedllm.errors``.
 """
 
 from __future__ import annotations
@@ -9,11 +10,15 @@ from __future__ import annotations
 import importlib
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "BeamSearchParams"]
+__all__ = ["LLM", "SamplingParams", "RequestOutputKind", "RequestOutput", "CompletionOutput", "Logprob",
+           "BeamSearchParams", "EngineOptions"]
 
 _LAZY = {
     "LLM": "pagedllm.llm",
     "SamplingParams": "pagedllm.engine.sampling_params",
+    "RequestOutputKind": "pagedllm.engine.sampling_params",
+    "Logprob": "pagedllm.engine.outputs",
+    "EngineOptions": "pagedllm.config",
     "RequestOutput": "pagedllm.engine.outputs",
     "CompletionOutput": "pagedllm.engine.outputs",
     "BeamSearchParams": "pagedllm.engine.beam_search",

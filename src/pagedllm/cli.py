@@ -12,29 +12,51 @@ import importlib
 import json
 import sys
 import time
+import typing
 
 from pagedllm.errors import PagedLLMError
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
+def _flag_type(annotation) -> type:
+    """bool, int or str: how a flag of this option's annotation is parsed."""
+    from pydantic import ByteSize
+
+    for a in typing.get_args(annotation) or (annotation,):
+        a = typing.get_origin(a) or a
+        if a is typing.Annotated:
+            continue
+        if isinstance(a, type) and issubclass(a, ByteSize):
+            return str  # "512MiB"
+        if a in (bool, int):
+            return a
+    return str
+
+
+def add_option_args(p: argparse.ArgumentParser, only: tuple[str, ...] | None = None,
+                    defaults: dict | None = None) -> None:
+    """One flag per engine option (``pagedllm.config.EngineOptions``): ``--block-size`` for
+    ``block_size``, with its default, choices and help; booleans as ``--x/--no-x``."""
+    from pagedllm.config import option_choices, option_fields
+
     g = p.add_argument_group("engine")
-    g.add_argument("--model", default=None, help="local .gguf file or HF folder (default: embedded SmolLM2)")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (8..128)")
-    g.add_argument("--kv-cache-memory", default="512MiB", help="KV pool size, e.g. 512MiB")
-    g.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (overrides memory)")
-    g.add_argument("--max-num-seqs", type=int, default=64)
-    g.add_argument("--max-num-batched-tokens", type=int, default=1024)
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--attention-backend", default="auto", choices=["auto", "cpu", "triton", "reference"])
-    g.add_argument("--quantization", default="auto", choices=["auto", "none", "gguf"],
-                   help="gguf: small steps read the GGUF's 4/8-bit weights (auto: on CPU in bf16/fp16)")
-    g.add_argument("--no-prefix-caching", action="store_true", help="turn automatic prefix caching off")
-    g.add_argument("--eviction-policy", default="lru", choices=["lru", "lfu", "lru-lfu", "size-weighted"])
-    g.add_argument("--kv-layout", default="paged", choices=["paged", "contiguous"])
-    g.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
-    g.add_argument("--swap-space", default="256MiB")
-    g.add_argument("--seed", type=int, default=0)
+    for name, info in option_fields().items():
+        if only is not None and name not in only:
+            continue
+        flag = "--" + name.replace("_", "-")
+        default = (defaults or {}).get(name, info.default)
+        kind = _flag_type(info.annotation)
+        if kind is bool:
+            g.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=info.description)
+        else:
+            g.add_argument(flag, type=kind, default=default, choices=option_choices(info.annotation),
+                           help=info.description)
+
+
+def engine_options(args) -> dict:
+    """The engine options a parsed command line carries."""
+    from pagedllm.config import option_fields
+
+    return {name: getattr(args, name) for name in option_fields() if hasattr(args, name)}
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -44,6 +66,11 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=-1)
     g.add_argument("--sampling-seed", type=int, default=None)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--min-tokens", type=int, default=0)
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
 
@@ -51,20 +78,17 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 def build_llm(args):
     from pagedllm import LLM
 
-    return LLM(model=args.model, dtype=args.dtype, block_size=args.block_size,
-               kv_cache_memory=args.kv_cache_memory, num_kv_blocks=args.num_kv_blocks,
-               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-               max_model_len=args.max_model_len, seed=args.seed, attention_backend=args.attention_backend,
-               enable_prefix_caching=not args.no_prefix_caching, eviction_policy=args.eviction_policy,
-               kv_layout=args.kv_layout, preemption_mode=args.preemption_mode, swap_space=args.swap_space,
-               quantization=args.quantization)
+    return LLM(**engine_options(args))
 
 
 def sampling_params(args):
     from pagedllm import SamplingParams
 
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                          top_k=args.top_k, seed=args.sampling_seed, stop=args.stop, ignore_eos=args.ignore_eos)
+                          top_k=args.top_k, min_p=args.min_p, presence_penalty=args.presence_penalty,
+                          frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty,
+                          min_tokens=args.min_tokens, seed=args.sampling_seed, stop=args.stop,
+                          ignore_eos=args.ignore_eos)
 
 
 def stream(llm, prompt, params, out=sys.stdout) -> dict:
@@ -162,12 +186,12 @@ def make_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="complete one prompt, streamed, with a summary line")
     gen.add_argument("prompt")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt as a user message (chat template)")
-    add_engine_args(gen)
+    add_option_args(gen)
     add_sampling_args(gen)
     gen.set_defaults(func=cmd_generate)
     chat = sub.add_parser("chat", help="interactive chat, tokens streamed as they come")
     chat.add_argument("--system", default=None, help="system prompt")
-    add_engine_args(chat)
+    add_option_args(chat)
     add_sampling_args(chat)
     chat.set_defaults(func=cmd_chat, max_tokens=512)
     bench = sub.add_parser("bench", help="benchmarks")
@@ -179,11 +203,8 @@ def make_parser() -> argparse.ArgumentParser:
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--json", default=None, help="also write the report to this file")
         if engine_options:
-            p.add_argument("--model", default=None)
-            p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-            p.add_argument("--block-size", type=int, default=16)
-            p.add_argument("--kv-cache-memory", default="512MiB")
-            p.add_argument("--quantization", default="auto", choices=["auto", "none", "gguf"])
+            add_option_args(p, only=("model", "dtype", "block_size", "kv_cache_memory", "quantization"),
+                            defaults={"dtype": "bfloat16"})
         return p
 
     def kv_parser(name: str, help_text: str) -> argparse.ArgumentParser:

@@ -1,43 +1,138 @@
-"""Frozen configuration objects. Building one does no I/O; a bad value raises naming its field.
+"""Configuration: frozen objects, validated when built (a bad value raises naming its field).
 
-``ModelConfig`` describes the network (filled by ``models.loader``); ``CacheConfig`` the KV pool;
-``SchedulerConfig`` the batching limits; ``EngineConfig`` ties them together.
+``ModelConfig`` describes the network (filled by ``models.loader``). The options users set are
+defined once, here, with their defaults, choices and help text: ``LoadOptions`` (which model, how
+to run it), ``SchedulerConfig`` (batching limits) and ``CacheConfig`` (the KV pool). Together they
+form ``EngineOptions``, from which ``LLM(...)``, ``Engine.from_options``, the CLI flags
+(``cli.add_option_args``) and the option table in docs/api.md (``options_markdown``) are all made.
+They are pydantic dataclasses: validation (and byte sizes such as ``"512MiB"``) by pydantic.
+``EngineConfig`` ties the resolved pieces together for one engine.
 """
 
 from __future__ import annotations
 
-import re
+import types
+import typing
 from dataclasses import dataclass, field
+from typing import Annotated, Literal
+
+from pydantic import ByteSize, ConfigDict, Field, ValidationError
+from pydantic.dataclasses import dataclass as pydantic_dataclass
+
+from pagedllm.kvcache.contiguous import RESERVATIONS
+from pagedllm.kvcache.eviction import POLICIES
+from pagedllm.kvcache.hashing import HASH_ALGOS
 
 MIN_BLOCK_SIZE = 8
 MAX_BLOCK_SIZE = 128
 QUANTIZATIONS = ("auto", "none", "gguf")
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
+ATTENTION_BACKENDS = ("auto", "cpu", "triton", "reference")
 
-_SIZE_UNITS = {
-    "": 1, "b": 1,
-    "kb": 1000, "mb": 1000**2, "gb": 1000**3,
-    "kib": 1024, "mib": 1024**2, "gib": 1024**3,
-    "k": 1024, "m": 1024**2, "g": 1024**3,
-}
+PositiveInt = Annotated[int, Field(strict=True, ge=1)]
+BlockSize = Annotated[int, Field(strict=True, ge=MIN_BLOCK_SIZE, le=MAX_BLOCK_SIZE)]
+Bytes = Annotated[ByteSize, Field(gt=0)]  # an int, or a string such as "512MiB" / "2GB"
+_STRICT = ConfigDict(validate_default=True, extra="forbid")
 
 
-def parse_bytes(value: int | str, name: str = "kv_cache_memory") -> int:
-    """Parse ``512MiB`` / ``1.5GB`` / ``1048576`` into a positive byte count."""
-    if isinstance(value, bool):
-        raise ValueError(f"{name} must be a byte count or a string like '512MiB', got {value!r}")
-    if isinstance(value, int):
-        n = value
-    elif isinstance(value, str):
-        m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", value)
-        if not m or m.group(2).lower() not in _SIZE_UNITS:
-            raise ValueError(f"{name} must look like '512MiB', '2GB' or a byte count, got {value!r}")
-        n = int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
-    else:
-        raise ValueError(f"{name} must be a byte count or a string like '512MiB', got {value!r}")
-    if n <= 0:
-        raise ValueError(f"{name} must be positive, got {value!r}")
-    return n
+@pydantic_dataclass(frozen=True, config=_STRICT)
+class LoadOptions:
+    """Which model, in which precision, on which device, with which kernels."""
+
+    model: str | None = Field(None, description="a local .gguf file or HF folder (config.json + safetensors); "
+                                                "default: the embedded SmolLM2-135M-Instruct (GGUF Q4_1)")
+    dtype: Literal[SUPPORTED_DTYPES] = Field("auto", description="weights and KV cache; auto: bfloat16 on a CPU "
+                                                                 "with native bf16 or on CUDA, else float32")
+    quantization: Literal[QUANTIZATIONS] = Field(
+        "auto", description="gguf: steps of at most 8 token rows read a GGUF's own Q4_0/Q4_1/Q8_0 blocks; "
+                            "auto: gguf for such a GGUF on CPU in bf16/fp16, else none")
+    device: str = Field("cpu", description="cpu or cuda")
+    attention_backend: Literal[ATTENTION_BACKENDS] = Field(
+        "auto", description="cpu (C++ kernel), triton (GPU), reference (pure torch); auto picks by device")
+    seed: Annotated[int, Field(strict=True)] = Field(0, description="seeds the sampling of requests without a seed")
+
+
+@pydantic_dataclass(frozen=True, config=_STRICT)
+class SchedulerConfig:
+    """Continuous-batching limits for one engine step."""
+
+    max_num_seqs: PositiveInt = Field(64, description="most sequences running in one step")
+    max_num_batched_tokens: PositiveInt = Field(1024, description="token budget of one step (prefill is chunked)")
+    max_model_len: PositiveInt = Field(2048, description="longest prompt + output")
+    preemption_mode: Literal["recompute", "swap"] = Field(
+        "recompute", description="what happens to a request preempted when blocks run out")
+
+
+@pydantic_dataclass(frozen=True, config=_STRICT)
+class CacheConfig:
+    """The paged KV pool: block size, its size (bytes or blocks), caching, eviction, layout, swap."""
+
+    block_size: BlockSize = Field(16, description=f"tokens per KV block ({MIN_BLOCK_SIZE}..{MAX_BLOCK_SIZE})")
+    kv_cache_memory: Bytes = Field("512MiB", description="KV pool size, e.g. 512MiB or 2GB")
+    num_kv_blocks: PositiveInt | None = Field(None, description="KV pool size in blocks (overrides kv_cache_memory)")
+    enable_prefix_caching: Annotated[bool, Field(strict=True)] = Field(
+        True, description="reuse cached full blocks of earlier prompts (paged layout only)")
+    prefix_caching_hash_algo: Literal[HASH_ALGOS] = Field(
+        "xxh3_128", description="block hash: xxh3_128 (keyed with a per-process random seed) or sha256")
+    eviction_policy: Literal[POLICIES] = Field(
+        "lru", description="reuse order of free cached blocks, and choice of preemption victims")
+    kv_layout: Literal["paged", "contiguous"] = Field(
+        "paged", description="contiguous: the pre-PagedAttention baseline (one reservation per request)")
+    contiguous_reservation: Literal[RESERVATIONS] = Field(
+        "max_model_len", description="contiguous layout: reserve max_model_len or prompt + max_tokens per request")
+    swap_space: Bytes = Field("256MiB", description="host memory for preempted KV blocks (preemption_mode=swap)")
+
+
+@pydantic_dataclass(frozen=True, config=_STRICT)
+class EngineOptions(CacheConfig, SchedulerConfig, LoadOptions):
+    """Every option of an engine, in one flat object (``LLM(**options)``, CLI flags, docs table)."""
+
+    max_model_len: PositiveInt | None = Field(None, description="longest prompt + output; default: the model's "
+                                                                "context length")
+
+    def cache_config(self) -> CacheConfig:
+        return CacheConfig(**{name: getattr(self, name) for name in option_fields(CacheConfig)})
+
+    def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
+        values = {name: getattr(self, name) for name in option_fields(SchedulerConfig)}
+        return SchedulerConfig(**{**values, "max_model_len": max_model_len})
+
+
+def option_fields(cls=EngineOptions) -> dict:
+    """Field name -> pydantic ``FieldInfo`` (default, description, annotation) of an options class."""
+    return dict(cls.__pydantic_fields__)
+
+
+def option_choices(annotation) -> tuple | None:
+    """The allowed values of a ``Literal`` option (also inside ``X | None``), else None."""
+    args = typing.get_args(annotation) if isinstance(annotation, types.UnionType) or typing.get_origin(
+        annotation) is typing.Union else (annotation,)
+    for a in args:
+        if typing.get_origin(a) is Literal:
+            return typing.get_args(a)
+    return None
+
+
+def options_markdown() -> str:
+    """The option table of docs/api.md, made from ``EngineOptions``."""
+    rows = ["| option | default | meaning |", "|---|---|---|"]
+    for name, info in option_fields().items():
+        choices = option_choices(info.annotation)
+        meaning = info.description + (f" (one of {', '.join(f'`{c}`' for c in choices)})" if choices else "")
+        rows.append(f"| `{name}` | `{info.default}` | {meaning} |")
+    return "\n".join(rows) + "\n"
+
+
+def describe_error(error: ValidationError) -> str:
+    """A pydantic error as one line per field: ``block_size: Input should be ... (got 7)``."""
+    parts = []
+    for e in error.errors():
+        where = ".".join(str(p) for p in e["loc"]) or "options"
+        if e["type"] == "unexpected_keyword_argument":
+            parts.append(f"unknown option {where!r}")
+        else:
+            parts.append(f"{where}: {e['msg']} (got {e['input']!r})")
+    return "; ".join(parts)
 
 
 @dataclass(frozen=True)
@@ -90,65 +185,6 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
-class CacheConfig:
-    """The paged KV pool: block size, and its size as bytes or as a block count."""
-
-    block_size: int = 16
-    kv_cache_memory: int | str = "512MiB"
-    num_kv_blocks: int | None = None
-    enable_prefix_caching: bool = True
-    eviction_policy: str = "lru"
-    kv_layout: str = "paged"
-    contiguous_reservation: str = "max_model_len"
-    swap_space: int | str = "256MiB"  # host tier for preemption_mode="swap"
-
-    def __post_init__(self) -> None:
-        if self.kv_layout not in ("paged", "contiguous"):
-            raise ValueError(f"kv_layout must be 'paged' or 'contiguous', got {self.kv_layout!r}")
-        if self.contiguous_reservation not in ("max_model_len", "request"):
-            raise ValueError("contiguous_reservation must be 'max_model_len' or 'request', "
-                             f"got {self.contiguous_reservation!r}")
-        from pagedllm.kvcache.eviction import POLICIES
-
-        if self.eviction_policy not in POLICIES:
-            raise ValueError(f"eviction_policy must be one of {POLICIES}, got {self.eviction_policy!r}")
-        if not isinstance(self.enable_prefix_caching, bool):
-            raise ValueError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
-        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or not (
-                MIN_BLOCK_SIZE <= self.block_size <= MAX_BLOCK_SIZE):
-            raise ValueError(
-                f"block_size must be an integer in {MIN_BLOCK_SIZE}..{MAX_BLOCK_SIZE}, got {self.block_size!r}")
-        if self.num_kv_blocks is not None and (
-                isinstance(self.num_kv_blocks, bool) or not isinstance(self.num_kv_blocks, int)
-                or self.num_kv_blocks < 1):
-            raise ValueError(f"num_kv_blocks must be a positive integer, got {self.num_kv_blocks!r}")
-        parse_bytes(self.kv_cache_memory)
-        parse_bytes(self.swap_space, "swap_space")
-
-    @property
-    def kv_cache_bytes(self) -> int:
-        return parse_bytes(self.kv_cache_memory)
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    """Continuous-batching limits for one engine step."""
-
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 1024
-    max_model_len: int = 2048
-    preemption_mode: str = "recompute"
-
-    def __post_init__(self) -> None:
-        if self.preemption_mode not in ("recompute", "swap"):
-            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be a positive integer, got {v!r}")
-
-
-@dataclass(frozen=True)
 class EngineConfig:
     """Everything an ``Engine`` needs besides the loaded weights."""
 
@@ -165,3 +201,7 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES[1:]}, got {self.dtype!r}")
         if self.quantization not in QUANTIZATIONS[1:]:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS[1:]}, got {self.quantization!r}")
+
+
+if __name__ == "__main__":  # python -m pagedllm.config: the option table for docs/api.md
+    print(options_markdown(), end="")

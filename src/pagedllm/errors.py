@@ -9,6 +9,10 @@ class PagedLLMError(Exception):
     """Base class of every error pagedllm raises on purpose."""
 
 
+class ConfigError(PagedLLMError, ValueError):
+    """An engine option is unknown or has a bad value; the message names the option."""
+
+
 class InvalidRequest(PagedLLMError, ValueError):
     """A request (its prompt or its parameters) is malformed; the engine is unaffected."""
 

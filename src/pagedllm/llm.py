@@ -40,12 +40,9 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, **engine_options) -> None:
-        """Options (all keyword, see docs/api.md): dtype="auto", block_size=16,
-        kv_cache_memory="512MiB", num_kv_blocks=None, max_num_seqs=64, max_num_batched_tokens=1024,
-        max_model_len=None, seed=0, device="cpu", attention_backend="auto",
-        enable_prefix_caching=True, eviction_policy="lru", kv_layout="paged",
-        contiguous_reservation="max_model_len", preemption_mode="recompute", swap_space="256MiB",
-        quantization="auto"."""
+        """``engine_options``: the fields of ``pagedllm.config.EngineOptions`` (dtype, block_size,
+        kv_cache_memory, max_num_seqs, ...; the table in docs/api.md). An unknown option or a bad
+        value raises ``ConfigError`` (a ``ValueError``) naming it, before anything is loaded."""
         self.engine = Engine.from_options(model=model, **engine_options)
 
     def get_tokenizer(self):

@@ -108,3 +108,24 @@ def test_beam_search_under_preemption_gives_the_same_beams(tiny, mode):
 def test_beam_search_params_are_validated(bad):
     with pytest.raises(ValueError):
         BeamSearchParams(**bad)
+
+
+def test_beam_search_interleaves_with_other_requests_and_aborting_it_frees_every_block(tiny):
+    _, llm = tiny
+    engine = llm.engine
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    alone = llm.generate({"prompt_token_ids": list(range(60, 75))}, greedy, use_tqdm=False)[0].outputs[0].token_ids
+    engine.add_request("beams", {"prompt_token_ids": list(range(100, 141))},
+                       BeamSearchParams(beam_width=4, max_tokens=30, ignore_eos=True))
+    engine.add_request("plain", {"prompt_token_ids": list(range(60, 75))}, greedy)
+    finals = {}
+    for _ in range(4):
+        finals.update((o.request_id, o) for o in engine.step() if o.finished)
+    beams = [r for r in engine.scheduler.requests if r.startswith("beams#")]
+    assert len(beams) == 4 and engine.kv_manager.num_free_blocks < engine.kv_manager.num_blocks
+    assert engine.abort("beams") and not engine.abort("beams")
+    assert not any(r.startswith("beams") for r in engine.scheduler.requests)
+    while engine.has_unfinished():
+        finals.update((o.request_id, o) for o in engine.step() if o.finished)
+    assert set(finals) == {"plain"} and finals["plain"].outputs[0].token_ids == alone
+    assert_all_free(llm)

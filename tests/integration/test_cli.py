@@ -25,17 +25,37 @@ def test_generate_streams_text_and_prints_a_summary():
 
 
 def test_chat_reads_turns_from_stdin_and_keeps_history():
-    r = run_cli("chat", "--max-tokens", "12", "--dtype", "float32",
-                stdin="My name is Ada.\n/reset\nWhat is 2+2?\n/exit\n")
+    r = run_cli("chat", "--max-tokens", "12", "--dtype", "float32", "--system", "You are terse.",
+                stdin="My name is Ada.\n/history\n/reset\nWhat is 2+2?\n/history\n/exit\n")
     assert r.returncode == 0, r.stderr
     assert r.stdout.count("assistant> ") == 2
     assert r.stderr.count("tok/s") == 2
+    lines = r.stdout.splitlines()
+    histories = [json.loads(line) for line in lines if line.startswith("[")]
+    answers = [line.split("assistant> ", 1)[1] for line in lines if "assistant> " in line]
+    # the first history: system, the user turn and exactly the answer that was printed
+    assert histories[0] == [{"role": "system", "content": "You are terse."},
+                            {"role": "user", "content": "My name is Ada."},
+                            {"role": "assistant", "content": answers[0]}]
+    # /reset keeps only the system prompt: the second history holds the second exchange alone
+    assert [m["content"] for m in histories[1]] == ["You are terse.", "What is 2+2?", answers[1]]
+
+
+def test_chat_history_holds_the_final_text_without_a_stop_string():
+    r = run_cli("chat", "--max-tokens", "24", "--dtype", "float32", "--stop", "2",
+                stdin="Count from 1 to 5, separated by commas.\n/history\n/exit\n")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    answer = next(line.split("assistant> ", 1)[1] for line in lines if "assistant> " in line)
+    history = next(json.loads(line) for line in lines if line.startswith("["))
+    assert history[-1] == {"role": "assistant", "content": answer} and "2" not in answer
+    assert "finish: stop" in r.stderr
 
 
 def test_bad_arguments_give_a_message_not_a_traceback():
     r = run_cli("generate", "hi", "--block-size", "7")
     assert r.returncode == 2
-    assert "block_size must be an integer in 8..128" in r.stderr and "Traceback" not in r.stderr
+    assert "block_size: Input should be greater than or equal to 8 (got 7)" in r.stderr and "Traceback" not in r.stderr
     r = run_cli("generate", "hi", "--top-p", "0")
     assert r.returncode == 2 and "top_p" in r.stderr and "Traceback" not in r.stderr
     r = run_cli("generate", "hi", "--model", "/nonexistent/model.gguf")

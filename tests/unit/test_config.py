@@ -1,8 +1,8 @@
-"""Config validation: every bad value raises with the field's name."""
+"""Config validation: every bad value raises with the field's name; byte sizes by pydantic."""
 
 import pytest
 
-from pagedllm.config import CacheConfig, SchedulerConfig, parse_bytes
+from pagedllm.config import CacheConfig, EngineOptions, SchedulerConfig
 
 
 @pytest.mark.parametrize("bs", [8, 16, 32, 64, 128, 24])
@@ -10,7 +10,7 @@ def test_block_sizes_8_to_128_accepted(bs):
     assert CacheConfig(block_size=bs).block_size == bs
 
 
-@pytest.mark.parametrize("bs", [0, 1, 4, 7, 129, 256, 16.0, True])
+@pytest.mark.parametrize("bs", [0, 1, 4, 7, 129, 256, 16.0, True, "16"])
 def test_other_block_sizes_rejected(bs):
     with pytest.raises(ValueError, match="block_size"):
         CacheConfig(block_size=bs)
@@ -19,14 +19,15 @@ def test_other_block_sizes_rejected(bs):
 @pytest.mark.parametrize("text,expected", [
     ("512MiB", 512 * 2**20), ("1GiB", 2**30), ("2GB", 2 * 10**9), ("1.5 MiB", int(1.5 * 2**20)),
     (4096, 4096), ("4096", 4096)])
-def test_parse_bytes(text, expected):
-    assert parse_bytes(text) == expected
+def test_byte_sizes(text, expected):
+    assert CacheConfig(kv_cache_memory=text).kv_cache_memory == expected
+    assert CacheConfig(swap_space=text).swap_space == expected
 
 
 @pytest.mark.parametrize("bad", ["lots", "-1MiB", 0, -5, "12 parsecs", None])
-def test_parse_bytes_rejects(bad):
+def test_bad_byte_sizes_rejected(bad):
     with pytest.raises(ValueError, match="kv_cache_memory"):
-        parse_bytes(bad)
+        CacheConfig(kv_cache_memory=bad)
 
 
 def test_num_kv_blocks_and_scheduler_limits_validated():
@@ -35,3 +36,22 @@ def test_num_kv_blocks_and_scheduler_limits_validated():
     for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
         with pytest.raises(ValueError, match=name):
             SchedulerConfig(**{name: 0})
+
+
+@pytest.mark.parametrize("bad,field", [({"eviction_policy": "mru"}, "eviction_policy"),
+                                       ({"prefix_caching_hash_algo": "md5"}, "prefix_caching_hash_algo"),
+                                       ({"kv_layout": "ring"}, "kv_layout"), ({"dtype": "int8"}, "dtype"),
+                                       ({"enable_prefix_caching": "yes"}, "enable_prefix_caching"),
+                                       ({"preemption_mode": "drop"}, "preemption_mode"),
+                                       ({"blocksize": 16}, "blocksize")])
+def test_engine_options_reject_bad_or_unknown_options_by_name(bad, field):
+    with pytest.raises(ValueError, match=field):
+        EngineOptions(**bad)
+
+
+def test_configs_are_frozen_and_engine_options_split_into_them():
+    opts = EngineOptions(block_size=32, max_num_seqs=4, kv_cache_memory="1GiB", kv_layout="contiguous")
+    with pytest.raises(Exception, match="frozen|cannot assign"):
+        opts.block_size = 8
+    assert opts.cache_config() == CacheConfig(block_size=32, kv_cache_memory=2**30, kv_layout="contiguous")
+    assert opts.scheduler_config(512) == SchedulerConfig(max_num_seqs=4, max_model_len=512)

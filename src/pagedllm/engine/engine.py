@@ -11,6 +11,7 @@ and free their blocks, and every other request continues (see ``_fail_step``).
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import gc
 import itertools
 import logging
@@ -18,9 +19,10 @@ import operator
 import time
 
 import torch
+from pydantic import ValidationError
 
 from pagedllm.attention.backends import get_backend
-from pagedllm.config import QUANTIZATIONS, CacheConfig, EngineConfig, SchedulerConfig, parse_bytes
+from pagedllm.config import QUANTIZATIONS, EngineConfig, EngineOptions, describe_error
 from pagedllm.engine.beam_search import BeamGroup, BeamSearchParams
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.engine.model_runner import ModelRunner
@@ -29,7 +31,7 @@ from pagedllm.engine.outputs import CompletionOutput, RequestMetrics, RequestOut
 from pagedllm.engine.request import Request, RequestStatus
 from pagedllm.engine.sampling_params import SamplingParams
 from pagedllm.engine.scheduler import Scheduler, SchedulerOutput
-from pagedllm.errors import InvalidRequest, RequestTooLong
+from pagedllm.errors import ConfigError, InvalidRequest, RequestTooLong
 from pagedllm.kvcache.contiguous import ContiguousKVCacheManager
 from pagedllm.kvcache.manager import KVCacheManager
 from pagedllm.kvstore.host_tier import HostTier
@@ -48,13 +50,13 @@ def resolve_quantization(quantization: str, weights: LoadedWeights, dtype: str, 
     """``auto`` -> ``gguf`` for a GGUF with Q4_0/Q4_1/Q8_0 tensors on CPU in bf16/fp16 (the fast
     path), else ``none``; an explicit ``gguf`` that cannot apply is an error."""
     if quantization not in QUANTIZATIONS:
-        raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
+        raise ConfigError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
     usable = bool(weights.quantized) and device == "cpu"
     if quantization == "auto":
         return "gguf" if usable and dtype != "float32" else "none"
     if quantization == "gguf" and not usable:
         why = "runs on CPU only" if weights.quantized else "needs a GGUF model with Q4_0, Q4_1 or Q8_0 tensors"
-        raise ValueError(f"quantization='gguf' {why}")
+        raise ConfigError(f"quantization='gguf' {why}")
     return quantization
 
 
@@ -69,14 +71,13 @@ class Engine:
         num_blocks = num_blocks_for(config.model, config.cache, dtype)
         cc = config.cache
         swapping = config.scheduler.preemption_mode == "swap" and cc.kv_layout == "paged"
-        num_host_blocks = parse_bytes(cc.swap_space, "swap_space") // bytes_per_block(
-            config.model, cc.block_size, dtype) if swapping else 0
+        num_host_blocks = cc.swap_space // bytes_per_block(config.model, cc.block_size, dtype) if swapping else 0
         if cc.kv_layout == "contiguous":
             self.kv_manager = ContiguousKVCacheManager(num_blocks, cc.block_size, config.scheduler.max_model_len,
                                                        cc.contiguous_reservation)
         else:
             self.kv_manager = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching, cc.eviction_policy,
-                                             num_host_blocks)
+                                             num_host_blocks, cc.prefix_caching_hash_algo)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager)
         storage = KVCacheStorage.allocate(config.model, num_blocks, config.cache.block_size, dtype, config.device)
         backend = get_backend(attention_backend, config.device, config.model.head_dim)
@@ -94,37 +95,35 @@ class Engine:
 
     # -- construction ------------------------------------------------------------------------
     @classmethod
-    def from_options(cls, model: str | None = None, dtype: str = "auto", block_size: int = 16,
-                     kv_cache_memory: int | str = "512MiB", num_kv_blocks: int | None = None,
-                     max_num_seqs: int = 64, max_num_batched_tokens: int = 1024,
-                     max_model_len: int | None = None, seed: int = 0, device: str = "cpu",
-                     attention_backend: str = "auto", enable_prefix_caching: bool = True,
-                     eviction_policy: str = "lru", kv_layout: str = "paged",
-                     contiguous_reservation: str = "max_model_len", preemption_mode: str = "recompute",
-                     swap_space: int | str = "256MiB", quantization: str = "auto") -> Engine:
-        """Load a model and build an engine; see ``LLM`` for what each option means."""
-        cache = CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory, num_kv_blocks=num_kv_blocks,
-                            enable_prefix_caching=enable_prefix_caching and kv_layout == "paged",
-                            eviction_policy=eviction_policy, kv_layout=kv_layout,
-                            contiguous_reservation=contiguous_reservation, swap_space=swap_space)
-        if dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
+    def from_options(cls, options: EngineOptions | None = None, **overrides) -> Engine:
+        """Load a model and build an engine from ``EngineOptions`` (or its fields as keywords; see
+        ``pagedllm.config`` for what each option means). A bad option raises ``ConfigError``."""
+        try:
+            if options is None:
+                options = EngineOptions(**overrides)
+            elif overrides:
+                options = dataclasses.replace(options, **overrides)
+        except ValidationError as e:
+            raise ConfigError(describe_error(e)) from None
+        device, dtype = options.device, options.dtype
+        cache = options.cache_config()
+        if cache.kv_layout != "paged" and cache.enable_prefix_caching:
+            cache = dataclasses.replace(cache, enable_prefix_caching=False)
         layer_ops = get_layer_ops(device)  # may compile C++ on first use: not part of the load time
         t0 = time.perf_counter()
-        path = resolve_model_path(model)
+        path = resolve_model_path(options.model)
         weights = load_weights(path)
         mcfg = weights.config
+        max_model_len = options.max_model_len
         if max_model_len is None:
             max_model_len = mcfg.max_position_embeddings
         elif max_model_len > mcfg.max_position_embeddings:
-            raise ValueError(f"max_model_len={max_model_len} exceeds the model's context length "
-                             f"({mcfg.max_position_embeddings})")
-        sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                max_model_len=max_model_len, preemption_mode=preemption_mode)
+            raise ConfigError(f"max_model_len={max_model_len} exceeds the model's context length "
+                              f"({mcfg.max_position_embeddings})")
         resolved_dtype = resolve_dtype(dtype, device)
-        config = EngineConfig(model=mcfg, cache=cache, scheduler=sched, dtype=resolved_dtype,
-                              device=device, seed=seed,
-                              quantization=resolve_quantization(quantization, weights, resolved_dtype, device))
+        config = EngineConfig(model=mcfg, cache=cache, scheduler=options.scheduler_config(max_model_len),
+                              dtype=resolved_dtype, device=device, seed=options.seed,
+                              quantization=resolve_quantization(options.quantization, weights, resolved_dtype, device))
         with torch.device("meta"):
             net = LlamaForCausalLM(mcfg, _DTYPES[config.dtype], max_model_len, device=device, layer_ops=layer_ops)
         net.load_hf_state_dict(weights.state_dict)
@@ -135,7 +134,7 @@ class Engine:
         del weights
         tokenizer = Tokenizer.load(path, path.suffix == ".gguf")
         load_seconds = time.perf_counter() - t0  # weights + tokenizer; not the kernel build
-        engine = cls(config, net, tokenizer, attention_backend)
+        engine = cls(config, net, tokenizer, options.attention_backend)
         engine.load_seconds = load_seconds
         engine.model_path = path
         # Everything alive now lives as long as the engine: keep it out of the cyclic GC's scans

@@ -25,10 +25,10 @@ def num_blocks_for(model: ModelConfig, cache: CacheConfig, dtype: torch.dtype) -
     if cache.num_kv_blocks is not None:
         return cache.num_kv_blocks
     per_block = bytes_per_block(model, cache.block_size, dtype)
-    n = cache.kv_cache_bytes // per_block
+    n = cache.kv_cache_memory // per_block
     if n < 1:
         raise OutOfKVMemory(
-            f"kv_cache_memory={cache.kv_cache_memory!r} holds no KV block: one block of "
+            f"kv_cache_memory={cache.kv_cache_memory.human_readable(decimal=False)} holds no KV block: one block of "
             f"{cache.block_size} tokens needs {per_block} bytes for this model and dtype")
     return n
 
