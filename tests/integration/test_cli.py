@@ -30,9 +30,9 @@ def test_chat_reads_turns_from_stdin_and_keeps_history():
     assert r.returncode == 0, r.stderr
     assert r.stdout.count("assistant> ") == 2
     assert r.stderr.count("tok/s") == 2
-    lines = r.stdout.splitlines()
+    lines = [line.replace("you> ", "") for line in r.stdout.splitlines()]  # input()'s prompt
     histories = [json.loads(line) for line in lines if line.startswith("[")]
-    answers = [line.split("assistant> ", 1)[1] for line in lines if "assistant> " in line]
+    answers = [part.split("\nyou> ", 1)[0] for part in r.stdout.split("assistant> ")[1:]]  # as printed
     # the first history: system, the user turn and exactly the answer that was printed
     assert histories[0] == [{"role": "system", "content": "You are terse."},
                             {"role": "user", "content": "My name is Ada."},
@@ -45,8 +45,8 @@ def test_chat_history_holds_the_final_text_without_a_stop_string():
     r = run_cli("chat", "--max-tokens", "24", "--dtype", "float32", "--stop", "2",
                 stdin="Count from 1 to 5, separated by commas.\n/history\n/exit\n")
     assert r.returncode == 0, r.stderr
-    lines = r.stdout.splitlines()
-    answer = next(line.split("assistant> ", 1)[1] for line in lines if "assistant> " in line)
+    lines = [line.replace("you> ", "") for line in r.stdout.splitlines()]
+    answer = r.stdout.split("assistant> ", 1)[1].split("\nyou> ", 1)[0]  # as printed, newlines included
     history = next(json.loads(line) for line in lines if line.startswith("["))
     assert history[-1] == {"role": "assistant", "content": answer} and "2" not in answer
     assert "finish: stop" in r.stderr
