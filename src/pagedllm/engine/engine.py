@@ -188,9 +188,10 @@ class Engine:
     def _token_ids(self, values) -> list[int]:
         vocab = self.config.model.vocab_size
         try:
+            values = list(values)
             ids = [operator.index(t) for t in values if not isinstance(t, bool)]
         except TypeError:
-            ids = []
+            ids = [-1]
         if len(ids) != len(values) or not all(0 <= t < vocab for t in ids):
             raise InvalidRequest(f"prompt token ids must be integers in [0, {vocab})")
         return ids
