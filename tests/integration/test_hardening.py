@@ -225,3 +225,15 @@ def test_a_failing_step_fails_its_requests_frees_their_blocks_and_the_others_con
     assert_all_free(llm)
     again = llm.generate(["Hello there", "Once upon a time"], greedy, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in expected]
+
+
+# -- 10. prefix-cache keys: 128-bit keyed by default, sha256 as an option ---------------------------------
+@pytest.mark.parametrize("algo", ["xxh3_128", "sha256"])
+def test_prefix_cache_hash_algo_is_an_engine_option(algo):
+    llm = LLM(dtype="float32", num_kv_blocks=16, prefix_caching_hash_algo=algo)
+    assert llm.engine.kv_manager.hasher.algo == algo
+    prompt = {"prompt_token_ids": list(range(500, 540))}  # 2 full blocks of 16 (+8 tokens)
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    first, second = (llm.generate(prompt, params, use_tqdm=False)[0] for _ in range(2))
+    assert second.num_cached_tokens == 32 and second.outputs[0].token_ids == first.outputs[0].token_ids
+    assert_all_free(llm)

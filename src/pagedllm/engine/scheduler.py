@@ -3,13 +3,16 @@
 Every step spends one token budget (``max_num_batched_tokens``): running requests first (oldest
 first), then waiting ones (FCFS) while there are sequence slots (``max_num_seqs``). A prompt that
 does not fit the budget is prefilled in chunks over several steps; prefill and decode share a
-step. When the KV pool runs out, a running request is preempted (the newest under the default ``lru``
-policy; see ``KVCacheManager.choose_victim``). With ``preemption_mode="recompute"`` its blocks
+step. When the KV pool runs out, a running request is preempted (the eviction policy chooses: the
+newest under the default ``lru``; see ``kvcache/eviction.py``). With ``preemption_mode="recompute"`` its blocks
 are freed and it goes back to the front of the waiting queue, to be recomputed (prompt + tokens
 so far; the prefix cache usually still holds most of it). With ``"swap"`` its blocks are copied to
 the host tier (recompute if that is full) and it waits in ``swapped``; swapped requests come back
 before any new one is admitted, their blocks copied in while the step that brings them back runs.
-No torch here: the output is plain data (``SchedulerOutput``).
+Forks (parallel-sampling siblings, beams) share their parent's blocks when a sequence slot is free
+and otherwise wait to be recomputed, so ``max_num_seqs`` always holds. ``preempt`` lets a caller
+release a running request (a beam whose siblings wait for memory). No torch here: the output is
+plain data (``SchedulerOutput``).
 
 Invariants: a request is in exactly one of ``waiting``/``running``/``swapped`` until it finishes;
 finished, aborted and preempted requests hold no device blocks.
