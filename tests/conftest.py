@@ -85,13 +85,14 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_token_id=No
     return out[0, len(prompt_ids):].tolist()
 
 
-def make_tiny_checkpoint(folder, arch: str, seed: int = 0) -> str:
-    """A tiny random Llama or Qwen2 checkpoint saved with save_pretrained (no tokenizer)."""
+def make_tiny_checkpoint(folder, arch: str, seed: int = 0, with_tokenizer: bool = False) -> str:
+    """A tiny random Llama or Qwen2 checkpoint saved with save_pretrained; no tokenizer, or with
+    ``with_tokenizer`` SmolLM2's own (and its vocabulary size, so every id it makes is valid)."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
-    common = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+    common = dict(vocab_size=49152 if with_tokenizer else 512, hidden_size=64, intermediate_size=128,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                   bos_token_id=1, eos_token_id=2)
     if arch == "llama":
         cfg = LlamaConfig(**common, rope_theta=10000.0, tie_word_embeddings=False)
@@ -105,4 +106,9 @@ def make_tiny_checkpoint(folder, arch: str, seed: int = 0) -> str:
             if "norm" not in name:
                 p.mul_(8.0) if p.dim() == 2 and "embed" not in name else None
     model.save_pretrained(folder)
+    if with_tokenizer:
+        from pagedllm.models.loader import default_model_path
+        from pagedllm.models.tokenizer import Tokenizer
+
+        Tokenizer.load(default_model_path(), is_gguf=True).hf.save_pretrained(folder)
     return str(folder)

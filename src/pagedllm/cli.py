@@ -1,4 +1,4 @@
-"""Command line: ``pagedllm generate | chat | bench``.
+"""Command line: ``pagedllm generate | chat | serve | bench``.
 
 ``generate`` prints the completion as it streams, then a one-line summary (tokens/s, peak KV
 blocks used / total). ``chat`` is an interactive conversation with the chat template applied.
@@ -174,6 +174,19 @@ def cmd_chat(args) -> int:
         history.append({"role": "assistant", "content": s["text"]})
 
 
+def cmd_serve(args) -> int:
+    from pagedllm.server.serve import serve
+
+    options = engine_options(args)
+    if args.model_path is not None:
+        if options.get("model") not in (None, args.model_path):
+            raise ValueError("give the model once: as MODEL or as --model")
+        options["model"] = args.model_path
+    return serve(options, host=args.host, port=args.port, api_key=args.api_key,
+                 served_model_name=args.served_model_name, max_queue=args.max_queue,
+                 max_body_bytes=args.max_body_bytes, uvicorn_log_level=args.uvicorn_log_level)
+
+
 def cmd_bench(args) -> int:
     """Run the benchmark module named by the subcommand (imported only when asked for)."""
     importlib.import_module(f"pagedllm.bench.{args.bench_module}").main(args)
@@ -194,6 +207,21 @@ def make_parser() -> argparse.ArgumentParser:
     add_option_args(chat)
     add_sampling_args(chat)
     chat.set_defaults(func=cmd_chat, max_tokens=512)
+    srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (FastAPI + uvicorn)")
+    srv.add_argument("model_path", nargs="?", default=None, metavar="MODEL",
+                     help="local .gguf file or HF folder (same as --model)")
+    srv.add_argument("--host", default="127.0.0.1", help="address to listen on (loopback by default)")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* "
+                                                     "(default: $PAGEDLLM_API_KEY, else no key)")
+    srv.add_argument("--served-model-name", default=None, help="the model name clients send "
+                                                               "(default: MODEL, or the model file's name)")
+    srv.add_argument("--max-queue", type=int, default=1024,
+                     help="most requests waiting for a sequence slot; more get 429 with Retry-After")
+    srv.add_argument("--max-body-bytes", type=int, default=None, help="largest request body (default 8 MiB)")
+    srv.add_argument("--uvicorn-log-level", default="warning", choices=["critical", "error", "warning", "info"])
+    add_option_args(srv)
+    srv.set_defaults(func=cmd_serve)
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(dest="bench", required=True)
 

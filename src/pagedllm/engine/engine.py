@@ -91,6 +91,7 @@ class Engine:
         self._owner: dict[str, RequestState | BeamGroup] = {}     # live scheduler request id -> its owner
         self._counter = itertools.count()
         self._empty_steps = 0  # consecutive steps that scheduled nothing while requests were unfinished
+        self.num_steps = 0     # steps that ran the model (or moved KV blocks)
         self._seed_rng = torch.Generator().manual_seed(config.seed)
 
     # -- construction ------------------------------------------------------------------------
@@ -255,7 +256,7 @@ class Engine:
         for i in range(params.n):
             seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
             if params.seed is not None:  # sibling i draws from its own stream derived from the seed
-                seed = params.seed if i == 0 else (params.seed * 1_000_003 + i) % 2**63
+                seed = (params.seed if i == 0 else params.seed * 1_000_003 + i) % 2**63  # any int is a seed
             else:
                 seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_rng))
             req = Request(seq_id, ids, params, max_tokens=max_tokens, eos_token_ids=self.eos_token_ids,
@@ -314,6 +315,7 @@ class Engine:
         if sched_out.is_empty:
             return self._check_progress()
         self._empty_steps = 0
+        self.num_steps += 1
         try:
             result = self.runner.execute(sched_out, self.scheduler.requests)
         except Exception as exc:  # noqa: BLE001 - a failed step fails its own requests, not the engine

@@ -168,6 +168,7 @@ class RequestState:
             self.prompt_logprobs_sent = True
         first = min((s.request.first_token_time for s in self.seqs if s.request.first_token_time), default=None)
         metrics = RequestMetrics(self.arrival_time, first, time.monotonic() if finished else None,
-                                 sum(s.request.num_preemptions for s in self.seqs))
+                                 sum(s.request.num_preemptions for s in self.seqs),
+                                 self.seqs[0].request.first_scheduled_time)
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, [s.completion(kind) for s in seqs],
                              finished, metrics, prompt_logprobs, self.seqs[0].request.num_cached_tokens, self.error)

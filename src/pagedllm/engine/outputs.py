@@ -48,6 +48,7 @@ class RequestMetrics:
     first_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
+    first_scheduled_time: float | None = None
 
     @property
     def time_to_first_token(self) -> float | None:

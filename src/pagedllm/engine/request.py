@@ -46,6 +46,7 @@ class Request:
     num_computed_tokens: int = 0
     output_token_ids: list[int] = field(default_factory=list)
     first_token_time: float | None = None
+    first_scheduled_time: float | None = None  # when it was first admitted to the running set
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
     # parallel sampling (n > 1): siblings that fork from this request when its prompt is computed

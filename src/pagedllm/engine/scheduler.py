@@ -20,6 +20,7 @@ finished, aborted and preempted requests hold no device blocks.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -145,6 +146,7 @@ class Scheduler:
                 if req.num_preemptions == 0:  # count each prompt once, not its recomputations
                     self.kv.record_prefix_query(req.num_tokens, num_cached)
                     req.num_cached_tokens = num_cached
+                    req.first_scheduled_time = time.monotonic()
                 req.num_computed_tokens = num_cached
                 self.waiting.popleft()
                 req.status = RequestStatus.RUNNING

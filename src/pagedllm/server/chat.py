@@ -1,0 +1,124 @@
+"""``POST /v1/chat/completions``: messages through the model's chat template -> OpenAI chat
+completion objects, streamed as ``chat.completion.chunk`` SSE events or returned whole. A stream
+starts each choice with a ``{"role": "assistant"}`` delta, then content deltas; the finish reason
+rides on the last one. ``logprobs`` + ``top_logprobs`` give OpenAI's per-token ``content`` list."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from pagedllm.engine.outputs import CompletionOutput, Logprob
+from pagedllm.server.errors import OpenAIError, error_chunk
+from pagedllm.server.protocol import ChatCompletionRequest
+from pagedllm.server.serving import (
+    ServerContext,
+    Usage,
+    add_prompts,
+    logprob_token,
+    merge,
+    new_id,
+    sse,
+    unless_disconnected,
+)
+
+
+def chat_prompt_ids(ctx: ServerContext, req: ChatCompletionRequest) -> list[int]:
+    """The conversation through the chat template, as token ids (400 if the model has none)."""
+    if ctx.tokenizer is None:
+        raise OpenAIError(400, "this model has no tokenizer, so no chat template; use /v1/completions", "messages")
+    try:
+        return ctx.tokenizer.apply_chat_template(req.conversation(), add_generation_prompt=req.add_generation_prompt)
+    except ValueError as exc:
+        raise OpenAIError(400, str(exc), "messages") from None
+
+
+def _entry(lp: Logprob) -> dict:
+    token = logprob_token(lp)
+    return {"token": token, "logprob": lp.logprob, "bytes": list(token.encode("utf-8"))}
+
+
+def chat_logprobs(c: CompletionOutput, top: int) -> list[dict]:
+    """OpenAI's ``logprobs.content`` entries for a completion's (new) tokens."""
+    content = []
+    for token, entry in zip(c.token_ids, c.logprobs or [], strict=False):
+        item = _entry(entry[token])
+        ranked = sorted((lp for lp in entry.values() if lp.rank is not None), key=lambda lp: lp.rank)
+        item["top_logprobs"] = [_entry(lp) for lp in ranked[:top]]
+        content.append(item)
+    return content
+
+
+async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest, raw: Request):
+    ctx.check_model(req.model)
+    prompt_ids = chat_prompt_ids(ctx, req)
+    top = req.top_logprobs or 0
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    params = req.sampling_params(max_tokens, top if req.logprobs else None)
+    ctx.check_capacity(1)
+    request_id = new_id("chatcmpl")
+    outputs = merge(await add_prompts(ctx, [{"prompt_token_ids": prompt_ids, **_salt(req)}], params, request_id))
+    head = {"id": request_id, "object": "chat.completion", "created": ctx.created, "model": ctx.model_name}
+    if req.stream:
+        return StreamingResponse(_stream(req, outputs, {**head, "object": "chat.completion.chunk"}, top),
+                                 media_type="text/event-stream")
+    return await unless_disconnected(raw, _collect(req, outputs, head, top))
+
+
+def _salt(req) -> dict:
+    return {"cache_salt": req.cache_salt} if req.cache_salt is not None else {}
+
+
+async def _collect(req: ChatCompletionRequest, outputs, head: dict, top: int) -> dict:
+    texts: dict[int, str] = {}
+    logprobs: dict[int, list] = {}
+    finish: dict[int, tuple] = {}
+    usage = Usage()
+    first = True
+    async for _, out in outputs:
+        usage.add(out, first)
+        first = False
+        for c in out.outputs:
+            texts[c.index] = texts.get(c.index, "") + c.text
+            if req.logprobs:
+                logprobs.setdefault(c.index, []).extend(chat_logprobs(c, top))
+            if c.finish_reason is not None:
+                finish[c.index] = (c.finish_reason, c.stop_reason)
+    choices = []
+    for k in sorted(texts):
+        reason, stop_reason = finish.get(k, (None, None))
+        choices.append({"index": k, "message": {"role": "assistant", "content": texts[k]},
+                        "logprobs": {"content": logprobs.get(k, [])} if req.logprobs else None,
+                        "finish_reason": reason, "stop_reason": stop_reason})
+    return {**head, "choices": choices, "usage": usage.body()}
+
+
+async def _stream(req: ChatCompletionRequest, outputs, head: dict, top: int) -> AsyncIterator[str]:
+    usage = Usage()
+    started: set[int] = set()
+    first = True
+    try:
+        async for _, out in outputs:
+            usage.add(out, first)
+            first = False
+            for c in out.outputs:
+                if c.index not in started:
+                    started.add(c.index)
+                    yield sse({**head, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                                    "logprobs": None, "finish_reason": None}]})
+                if not c.text and c.finish_reason is None and not c.token_ids:
+                    continue
+                yield sse({**head, "choices": [{
+                    "index": c.index, "delta": {"content": c.text} if c.text else {},
+                    "logprobs": {"content": chat_logprobs(c, top)} if req.logprobs else None,
+                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]})
+        if req.include_usage:
+            yield sse({**head, "choices": [], "usage": usage.body()})
+        yield sse("[DONE]")
+    except Exception as exc:  # noqa: BLE001 - after the stream started: an error chunk, then [DONE]
+        yield error_chunk(exc)
+        yield sse("[DONE]")
+    finally:
+        await outputs.aclose()

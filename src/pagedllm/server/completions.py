@@ -1,0 +1,161 @@
+"""``POST /v1/completions``: prompts (text, token ids, or lists of either) -> OpenAI completion
+objects, streamed as SSE chunks or returned whole. Choice ``k`` of a request with several prompts
+is prompt ``k // n``, sample ``k % n``; ``echo`` puts the prompt in front of the text (and, with
+``logprobs``, its log-probabilities in front of the generated ones)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from pagedllm.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedllm.server.errors import OpenAIError, error_chunk
+from pagedllm.server.protocol import CompletionRequest
+from pagedllm.server.serving import (
+    ServerContext,
+    Usage,
+    add_prompts,
+    logprob_token,
+    merge,
+    new_id,
+    sse,
+    unless_disconnected,
+)
+
+
+class _Choice:
+    """Accumulates one choice's text, tokens and legacy-format logprobs."""
+
+    def __init__(self) -> None:
+        self.text, self.finish_reason, self.stop_reason = "", None, None
+        self.tokens: list[str] = []
+        self.token_logprobs: list[float | None] = []
+        self.top_logprobs: list[dict[str, float] | None] = []
+        self.text_offset: list[int] = []
+        self.offset = 0
+
+    def add_logprobs(self, entries: list[dict[int, Logprob] | None], token_ids: list[int]) -> dict:
+        """Append legacy logprobs for these tokens; returns just the new part."""
+        new = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for token, entry in zip(token_ids, entries, strict=True):
+            text = logprob_token(entry[token]) if entry else ""
+            new["tokens"].append(text)
+            new["token_logprobs"].append(entry[token].logprob if entry else None)
+            new["top_logprobs"].append({logprob_token(lp): lp.logprob for lp in entry.values()} if entry else None)
+            new["text_offset"].append(self.offset)
+            self.offset += len(text)
+        for key, values in new.items():
+            getattr(self, key).extend(values)
+        return new
+
+    def logprobs_body(self) -> dict:
+        return {"tokens": self.tokens, "token_logprobs": self.token_logprobs, "top_logprobs": self.top_logprobs,
+                "text_offset": self.text_offset}
+
+
+def _echo_prefix(ctx: ServerContext, out: RequestOutput) -> str:
+    if out.prompt is not None:
+        return out.prompt
+    return ctx.tokenizer.decode(out.prompt_token_ids) if ctx.tokenizer is not None else ""
+
+
+async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Request):
+    ctx.check_model(req.model)
+    prompts = req.prompts()
+    if not prompts:
+        raise OpenAIError(400, "prompt must not be empty", "prompt")
+    if req.cache_salt is not None:
+        prompts = [{"prompt" if isinstance(p, str) else "prompt_token_ids": p, "cache_salt": req.cache_salt}
+                   for p in prompts]
+    want_logprobs = req.logprobs is not None
+    params = req.sampling_params(req.max_tokens, req.logprobs,
+                                 prompt_logprobs=req.logprobs if req.echo and want_logprobs else None)
+    ctx.check_capacity(len(prompts))
+    request_id = new_id("cmpl")
+    outputs = merge(await add_prompts(ctx, prompts, params, request_id))  # a bad prompt: 400 here
+    head = {"id": request_id, "object": "text_completion", "created": ctx.created, "model": ctx.model_name}
+    if req.stream:
+        return StreamingResponse(_stream(ctx, req, outputs, head, want_logprobs), media_type="text/event-stream")
+    return await unless_disconnected(raw, _collect(ctx, req, outputs, head, want_logprobs))
+
+
+def _start(ctx: ServerContext, req: CompletionRequest, choice: _Choice, out: RequestOutput, want: bool) -> tuple:
+    """Echoed prompt text (and prompt logprobs) for a choice's first delta."""
+    text, logprobs = "", None
+    if req.echo:
+        text = _echo_prefix(ctx, out)
+        if want and out.prompt_logprobs is not None:
+            logprobs = choice.add_logprobs(out.prompt_logprobs, out.prompt_token_ids)
+    return text, logprobs
+
+
+def _delta(ctx, req, choice: _Choice, out: RequestOutput, c: CompletionOutput, started: bool, want: bool):
+    text, logprobs = ("", None) if started else _start(ctx, req, choice, out, want)
+    text += c.text
+    choice.text += text
+    if want and c.logprobs is not None:
+        new = choice.add_logprobs(c.logprobs, c.token_ids)
+        if logprobs is None:
+            logprobs = new
+        else:
+            for key in logprobs:
+                logprobs[key] = logprobs[key] + new[key]
+    if c.finish_reason is not None:
+        choice.finish_reason, choice.stop_reason = c.finish_reason, c.stop_reason
+    return text, logprobs
+
+
+class _Choices:
+    """Every choice of a request, fed with (prompt index, delta output) pairs."""
+
+    def __init__(self, ctx: ServerContext, req: CompletionRequest, want_logprobs: bool) -> None:
+        self.ctx, self.req, self.want = ctx, req, want_logprobs
+        self.choices: dict[int, _Choice] = {}
+        self.usage = Usage()
+        self.seen: set[int] = set()
+
+    def take(self, i: int, out: RequestOutput) -> list[tuple[int, str, dict | None, CompletionOutput]]:
+        """Account for a delta; returns (choice index, new text, new logprobs, completion) per sequence."""
+        self.usage.add(out, first=i not in self.seen)
+        self.seen.add(i)
+        new = []
+        for c in out.outputs:
+            k = i * self.req.n + c.index
+            started = k in self.choices
+            choice = self.choices.setdefault(k, _Choice())
+            text, logprobs = _delta(self.ctx, self.req, choice, out, c, started, self.want)
+            new.append((k, text, logprobs, c))
+        return new
+
+
+async def _collect(ctx, req, outputs, head, want) -> dict:
+    acc = _Choices(ctx, req, want)
+    async for i, out in outputs:
+        acc.take(i, out)
+    body = dict(head)
+    body["choices"] = [{"index": k, "text": ch.text, "logprobs": ch.logprobs_body() if want else None,
+                        "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason}
+                       for k, ch in sorted(acc.choices.items())]
+    body["usage"] = acc.usage.body()
+    return body
+
+
+async def _stream(ctx, req, outputs, head, want) -> AsyncIterator[str]:
+    acc = _Choices(ctx, req, want)
+    try:
+        async for i, out in outputs:
+            for k, text, logprobs, c in acc.take(i, out):
+                if text or c.finish_reason is not None or c.token_ids:
+                    yield sse({**head, "choices": [{"index": k, "text": text, "logprobs": logprobs,
+                                                    "finish_reason": c.finish_reason,
+                                                    "stop_reason": c.stop_reason}]})
+        if req.include_usage:
+            yield sse({**head, "choices": [], "usage": acc.usage.body()})
+        yield sse("[DONE]")
+    except Exception as exc:  # noqa: BLE001 - after the stream started: an error chunk, then [DONE]
+        yield error_chunk(exc)
+        yield sse("[DONE]")
+    finally:
+        await outputs.aclose()

@@ -1,0 +1,132 @@
+"""Errors the OpenAI way: every failure is ``{"error": {"message", "type", "param", "code"}}``.
+
+The one place where exceptions become HTTP statuses: ``InvalidRequest``/``ValueError`` and bad
+JSON or fields -> 400 naming the field (never FastAPI's bare 422), a missing or wrong API key ->
+401, an unknown model or route -> 404, a wrong method -> 405, a body over the limit -> 413, a full
+queue -> 429 with ``Retry-After``, a dead engine or shutdown -> 503, anything unexpected -> 500
+with a generic message (the traceback goes to the log, never into the response).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import re
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pagedllm.engine.async_engine import EngineDeadError, EngineShutdown
+from pagedllm.engine.sampling_params import SamplingParams
+from pagedllm.errors import InvalidRequest, PagedLLMError, RequestTooLong
+
+log = logging.getLogger(__name__)
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+          405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+          500: "internal_server_error", 503: "service_unavailable"}
+
+
+class OpenAIError(Exception):
+    """An error with its HTTP status and OpenAI fields."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": _TYPES.get(self.status, "invalid_request_error"),
+                          "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)} | {"prompt", "messages", "max_completion_tokens",
+                                                                  "top_logprobs", "response_format"}
+
+
+def _param_of(message: str) -> str | None:
+    """The request field a ValueError message starts with (``top_p must be ...`` -> ``top_p``)."""
+    m = re.match(r"([a-z][a-z_]*)\b", message)
+    return m.group(1) if m and m.group(1) in _FIELDS else None
+
+
+def as_openai_error(exc: BaseException) -> OpenAIError:
+    """Map any exception onto the OpenAI error it should be returned as."""
+    if isinstance(exc, OpenAIError):
+        return exc
+    if isinstance(exc, RequestTooLong):
+        return OpenAIError(400, str(exc), "prompt", "context_length_exceeded")
+    if isinstance(exc, InvalidRequest | ValueError):
+        return OpenAIError(400, str(exc), _param_of(str(exc)))
+    if isinstance(exc, EngineShutdown):
+        return OpenAIError(503, str(exc), code="shutting_down")
+    if isinstance(exc, EngineDeadError):
+        return OpenAIError(503, str(exc), code="engine_dead")
+    if isinstance(exc, PagedLLMError):
+        return OpenAIError(500, str(exc))
+    log.error("unexpected error while serving a request", exc_info=exc)
+    return OpenAIError(500, f"internal error: {type(exc).__name__}")
+
+
+def error_chunk(exc: BaseException) -> str:
+    """The final SSE event of a stream that failed after it started."""
+    return f"data: {json.dumps(as_openai_error(exc).body())}\n\n"
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    if first.get("type") == "json_invalid":
+        return f"the body is not valid JSON: {first.get('msg')}", None
+    field = ".".join(loc) or None
+    where = f"{field}: " if field else ""
+    return f"{where}{first.get('msg', 'invalid value')}", field
+
+
+class OpenAIRoute(APIRoute):
+    """A route whose errors become OpenAI error responses right where they happen (Starlette's
+    catch-all handler would answer and then re-raise, which resets the client's connection)."""
+
+    def get_route_handler(self):
+        handler = super().get_route_handler()
+
+        async def handle(request: Request):
+            try:
+                return await handler(request)
+            except (RequestValidationError, StarletteHTTPException):
+                raise  # answered by the handlers below
+            except Exception as exc:  # noqa: BLE001 - every other error, OpenAI-shaped
+                return as_openai_error(exc).response()
+
+        return handle
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Handlers for what happens outside a route's own code: bad bodies, unknown routes."""
+    app.router.route_class = OpenAIRoute
+
+    @app.exception_handler(OpenAIError)
+    async def _openai(_: Request, exc: OpenAIError):
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError):
+        message, field = _validation_message(exc)
+        return OpenAIError(400, message, field).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException):
+        message = {404: "not found", 405: "method not allowed"}.get(exc.status_code, str(exc.detail))
+        return OpenAIError(exc.status_code, message if exc.detail in (None, "Not Found", "Method Not Allowed")
+                           else str(exc.detail)).response()
+

@@ -1,0 +1,116 @@
+"""Prometheus metrics (``prometheus_client``), named ``pagedllm:*`` after vLLM's ``vllm:*`` ones.
+
+Two sources. The engine's own state (queues, KV pool usage, fragmentation, cumulative prefix-cache
+and preemption counters) is read at scrape time, between two engine steps (``engine_snapshot``
+runs on the engine thread), so it is always consistent with one step. Request lifecycle metrics
+(token counters, finished requests by reason, TTFT / inter-token / end-to-end / queue-time
+histograms) are recorded by ``ServerMetrics.on_output`` as the engine thread hands out outputs.
+Each server owns its registry, so several servers can live in one process (tests).
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from pagedllm.engine.engine import Engine
+from pagedllm.engine.outputs import RequestOutput
+
+PREFIX = "pagedllm:"
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                   20.0, 40.0, 80.0)
+
+
+def engine_snapshot(engine: Engine) -> dict:
+    """The engine's queues and KV pool (run on the engine thread)."""
+    stats = engine.kv_cache_stats()
+    sched = engine.scheduler
+    stats.update(num_requests_running=len(sched.running), num_requests_waiting=len(sched.waiting) + len(sched.swapped),
+                 num_requests_swapped=len(sched.swapped), num_steps=engine.num_steps)
+    return stats
+
+
+class _EngineCollector:
+    """Gauges and cumulative counters from the latest engine snapshot."""
+
+    def __init__(self) -> None:
+        self.snapshot: dict = {}
+
+    def collect(self):
+        s = self.snapshot
+        if not s:
+            return
+        gauges = {
+            "num_requests_running": ("requests running in the engine", s["num_requests_running"]),
+            "num_requests_waiting": ("requests waiting (queued, preempted or swapped out)", s["num_requests_waiting"]),
+            "kv_cache_usage_perc": ("fraction of KV blocks in use (1 = full)", s["usage"]),
+            "num_free_blocks": ("KV blocks free (cached content included)", s["num_free_blocks"]),
+            "num_blocks": ("KV blocks in the pool", s["num_blocks"]),
+            "num_cached_blocks": ("KV blocks holding a prefix-cache entry", s["num_cached_blocks"]),
+            "kv_cache_fragmentation": ("reserved but unfilled KV slots / reserved slots", s["fragmentation"]),
+        }
+        for name, (doc, value) in gauges.items():
+            yield GaugeMetricFamily(PREFIX + name, doc, value=value)
+        counters = {
+            "prefix_cache_queries": ("prompt tokens looked up in the prefix cache", s["prefix_cache_queries"]),
+            "prefix_cache_hits": ("prompt tokens found in the prefix cache", s["prefix_cache_hits"]),
+            "num_preemptions": ("requests preempted", s["num_preemptions"]),
+            "swapped_out_blocks": ("KV blocks swapped out to the host tier", s["num_swapped_out_blocks"]),
+            "swapped_in_blocks": ("KV blocks swapped back in", s["num_swapped_in_blocks"]),
+            "engine_steps": ("engine steps run (a step: one forward pass over the batch)", s["num_steps"]),
+        }
+        for name, (doc, value) in counters.items():
+            yield CounterMetricFamily(PREFIX + name, doc, value=value)
+
+
+class ServerMetrics:
+    """The server's registry: engine state at scrape time plus request lifecycle metrics."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.engine_state = _EngineCollector()
+        self.registry.register(self.engine_state)
+        r = self.registry
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "prompt tokens of finished requests", registry=r)
+        self.generation_tokens = Counter(PREFIX + "generation_tokens", "tokens generated", registry=r)
+        self.request_success = Counter(PREFIX + "request_success", "finished requests by finish reason",
+                                       ["finished_reason"], registry=r)
+        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "arrival to first token",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "time between a request's tokens",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "arrival to finish",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_time = Histogram(PREFIX + "request_queue_time_seconds", "arrival to first scheduled",
+                                    buckets=LATENCY_BUCKETS, registry=r)
+        self._last_token_time: dict[str, float] = {}
+
+    def on_output(self, out: RequestOutput) -> None:
+        """Record one delta output (called on the engine thread)."""
+        now = time.monotonic()
+        new_tokens = sum(len(c.token_ids) for c in out.outputs)
+        self.generation_tokens.inc(new_tokens)
+        m = out.metrics
+        last = self._last_token_time.get(out.request_id)
+        if new_tokens:
+            if last is None and m is not None and m.first_token_time is not None:
+                self.ttft.observe(m.first_token_time - m.arrival_time)
+                if m.first_scheduled_time is not None:
+                    self.queue_time.observe(m.first_scheduled_time - m.arrival_time)
+            elif last is not None:
+                self.itl.observe((now - last) / max(1, new_tokens // max(1, len(out.outputs))))
+            self._last_token_time[out.request_id] = now
+        if out.finished:
+            self._last_token_time.pop(out.request_id, None)
+            self.prompt_tokens.inc(len(out.prompt_token_ids))
+            reasons = {c.finish_reason for c in out.outputs if c.finish_reason}
+            self.request_success.labels(finished_reason=(reasons.pop() if len(reasons) == 1 else "mixed")
+                                        if reasons else "abort").inc()
+            if m is not None:
+                self.e2e.observe(now - m.arrival_time)
+
+    def render(self, snapshot: dict) -> bytes:
+        self.engine_state.snapshot = snapshot
+        return generate_latest(self.registry)

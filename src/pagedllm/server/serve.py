@@ -1,0 +1,72 @@
+"""``pagedllm serve``: load the engine, start its thread, serve the app with uvicorn.
+
+One log line on start says the URL, the model, the KV pool (blocks, tokens, bytes) and the attention
+kernel. SIGINT / SIGTERM shut down cleanly: every in-flight request is aborted (its stream ends with
+an error chunk and ``[DONE]``), uvicorn closes the connections, the engine thread is joined, and
+the process exits with 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+import uvicorn
+
+from pagedllm.engine.async_engine import AsyncEngine
+from pagedllm.engine.engine import Engine
+from pagedllm.server.app import build_app
+from pagedllm.server.metrics import ServerMetrics
+from pagedllm.server.serving import ServerContext
+
+log = logging.getLogger("pagedllm.serve")
+
+
+class _Server(uvicorn.Server):
+    """uvicorn, plus: on a shutdown signal, abort every request first so streams end promptly."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine) -> None:
+        super().__init__(config)
+        self.engine = engine
+
+    def handle_exit(self, sig, frame) -> None:
+        threading.Thread(target=self.engine.shutdown, name="pagedllm-shutdown", daemon=True).start()
+        super().handle_exit(sig, frame)
+        # uvicorn re-raises the signal after shutting down (the process would die of it): ours is
+        # a clean shutdown, so the process exits with 0 instead
+        self._captured_signals.clear()
+
+
+def startup_line(engine: Engine, url: str, model_name: str) -> str:
+    kv = engine.kv_manager
+    stats = engine.kv_cache_stats()
+    from pagedllm.kvstore.storage import bytes_per_block
+
+    per_block = bytes_per_block(engine.config.model, kv.block_size, engine.runner.kv.k_caches[0].dtype)
+    return (f"pagedllm serving {model_name} at {url}/v1 | {engine.config.dtype}, quantization "
+            f"{engine.config.quantization}, attention {engine.runner.backend.name} | KV pool {stats['num_blocks']} "
+            f"blocks x {kv.block_size} tokens = {stats['num_blocks'] * kv.block_size} tokens, "
+            f"{stats['num_blocks'] * per_block / 2**20:.0f} MiB ({kv.layout})")
+
+
+def serve(options: dict, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
+          served_model_name: str | None = None, max_queue: int = 1024, max_body_bytes: int | None = None,
+          uvicorn_log_level: str = "warning") -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine = Engine.from_options(**options)
+    metrics = ServerMetrics()
+    async_engine = AsyncEngine(engine, on_output=metrics.on_output)
+    model_name = served_model_name or options.get("model") or engine.model_path.stem
+    ctx = ServerContext(async_engine, model_name, max_queue, metrics,
+                        api_key=api_key or os.environ.get("PAGEDLLM_API_KEY") or None)
+    app = build_app(ctx, **({"max_body_bytes": max_body_bytes} if max_body_bytes else {}))
+    config = uvicorn.Config(app, host=host, port=port, log_level=uvicorn_log_level, access_log=False,
+                            timeout_graceful_shutdown=10)
+    server = _Server(config, async_engine)
+    log.info(startup_line(engine, f"http://{host}:{port}", model_name))
+    try:
+        server.run()
+    finally:
+        async_engine.shutdown()
+    return 0

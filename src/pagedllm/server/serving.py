@@ -1,0 +1,162 @@
+"""What both OpenAI routes share: the server's context, admission checks, running several prompts
+as engine requests with their deltas merged, usage, SSE framing and client disconnects.
+
+``ServerContext`` is built once per server and holds the ``AsyncEngine``, the tokenizer, the
+served model name, the queue limit and the metrics. ``add_prompts`` turns one HTTP request into
+one engine request per prompt (validating them all first) and ``merge`` yields
+``(prompt index, delta output)`` as they come; closing it (the client hung up, the handler was
+cancelled) aborts every engine request still running, so their blocks are freed within one step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass, field
+
+from fastapi import Request
+
+from pagedllm.engine.async_engine import AsyncEngine, RequestStream
+from pagedllm.engine.outputs import RequestOutput
+from pagedllm.engine.sampling_params import SamplingParams
+from pagedllm.server.errors import OpenAIError
+from pagedllm.server.metrics import ServerMetrics
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away before its response was ready."""
+
+
+@dataclass
+class ServerContext:
+    engine: AsyncEngine
+    model_name: str
+    max_queue: int
+    metrics: ServerMetrics
+    api_key: str | None = None
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def tokenizer(self):
+        return self.engine.engine.tokenizer
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise OpenAIError(404, f"the model `{name}` does not exist; this server serves `{self.model_name}`",
+                              "model", "model_not_found")
+
+    def check_capacity(self, num_prompts: int) -> None:
+        """429 when the requests waiting for a slot would exceed ``max_queue``."""
+        if not self.engine.healthy:
+            raise OpenAIError(503, "the engine is not running", code="engine_dead")
+        running = self.engine.engine.config.scheduler.max_num_seqs
+        if self.engine.num_unfinished + num_prompts > running + self.max_queue:
+            raise OpenAIError(429, f"the server is busy: more than {self.max_queue} requests are waiting; retry later",
+                              code="queue_full", headers={"Retry-After": "1"})
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+async def add_prompts(ctx: ServerContext, prompts: list, params: SamplingParams,
+                      request_id: str) -> list[RequestStream]:
+    """Validate and queue one engine request per prompt: all of them, or none (the first error is
+    raised, e.g. ``InvalidRequest`` -> 400, before any response starts)."""
+    streams: list[RequestStream] = []
+    try:
+        for i, p in enumerate(prompts):
+            streams.append(await ctx.engine.add_request(f"{request_id}-{i}", p, params))
+    except BaseException:
+        for stream in streams:
+            stream.close()
+        raise
+    return streams
+
+
+async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, delta output) from every stream, in arrival order, until all have finished.
+    A failed engine step raises ``OpenAIError(500)``. Closing it early aborts what still runs."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for out in stream:
+                queue.put_nowait((i, out))
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer
+            queue.put_nowait((i, exc))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    remaining = len(streams)
+    try:
+        while remaining:
+            i, item = await queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            if item.finished:
+                remaining -= 1
+            if item.error is not None:
+                raise OpenAIError(500, item.error, code="engine_step_failed")
+            yield i, item
+    finally:
+        for stream in streams:
+            stream.close()
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(BaseException):
+                await t
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    def add(self, out: RequestOutput, first: bool) -> None:
+        if first:
+            self.prompt_tokens += len(out.prompt_token_ids)
+            self.cached_tokens += out.num_cached_tokens
+        self.completion_tokens += sum(len(c.token_ids) for c in out.outputs)
+
+    def body(self) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+
+
+def sse(payload: dict | str) -> str:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+async def unless_disconnected(request: Request, work: Awaitable):
+    """Await ``work``, cancelling it (which aborts its engine requests) if the client disconnects."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(BaseException):
+        await task
+    raise ClientDisconnected()
+
+
+def logprob_token(lp) -> str:
+    return lp.decoded_token if lp.decoded_token is not None else ""

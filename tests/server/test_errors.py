@@ -1,0 +1,168 @@
+"""Every error case returns its status and an OpenAI-shaped body and the server stays up: bad
+fields and JSON (400, naming the field), API key (401), unknown model or route (404), body over
+the limit (413), full queue (429 + Retry-After), a failing model step (500 / error chunk, the next
+request succeeds), a dead engine (503); random JSON bodies never give a 500 (hypothesis)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from starlette.testclient import TestClient
+
+from pagedllm.server.app import build_app
+from tests.server.conftest import tiny_context
+
+COMPLETION = {"prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0}
+CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "temperature": 0}
+
+
+def assert_openai_error(r, status: int, param: str | None = None) -> dict:
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    if param is not None:
+        assert error["param"] == param
+    return error
+
+
+def assert_all_free(ctx) -> None:
+    snapshot = ctx.engine.call(lambda: (ctx.engine.engine.kv_manager.num_free_blocks,
+                                        ctx.engine.engine.kv_manager.num_blocks,
+                                        ctx.engine.engine.has_unfinished())).result(10)
+    assert snapshot[0] == snapshot[1] and not snapshot[2]
+
+
+@pytest.mark.parametrize("route,body,param", [
+    ("/v1/completions", {**COMPLETION, "temperature": -1}, "temperature"),
+    ("/v1/completions", {**COMPLETION, "top_p": 0}, "top_p"),
+    ("/v1/completions", {**COMPLETION, "n": 0}, "n"),
+    ("/v1/completions", {**COMPLETION, "max_tokens": "many"}, "max_tokens"),
+    ("/v1/completions", {**COMPLETION, "logprobs": 99}, "logprobs"),
+    ("/v1/completions", {"max_tokens": 3}, "prompt"),
+    ("/v1/completions", {**COMPLETION, "prompt": [10**9]}, None),
+    ("/v1/completions", {**COMPLETION, "prompt": []}, "prompt"),
+    ("/v1/completions", {**COMPLETION, "logit_bias": {"70000": 1}}, None),
+    ("/v1/chat/completions", {**CHAT, "messages": []}, "messages"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"content": "no role"}]}, "messages.0.role"),
+    ("/v1/chat/completions", {**CHAT, "top_logprobs": 50}, "top_logprobs"),
+    ("/v1/chat/completions", {**CHAT, "presence_penalty": 9}, "presence_penalty"),
+])
+def test_bad_fields_are_400_naming_the_field(tiny_app, route, body, param):
+    client, ctx = tiny_app
+    error = assert_openai_error(client.post(route, json=body), 400, param)
+    assert error["type"] == "invalid_request_error"
+    assert client.post("/v1/completions", json=COMPLETION).status_code == 200  # still serving
+    assert_all_free(ctx)
+
+
+def test_malformed_json_unknown_model_route_and_method(tiny_app):
+    client, _ = tiny_app
+    assert_openai_error(client.post("/v1/completions", content=b"{oops", headers={"content-type": "application/json"}),
+                        400)
+    assert_openai_error(client.post("/v1/completions", content=b"[1, 2]", headers={"content-type": "application/json"}),
+                        400)
+    assert_openai_error(client.post("/v1/completions", json={**COMPLETION, "model": "gpt-4"}), 404, "model")
+    assert_openai_error(client.get("/v1/nowhere"), 404)
+    assert_openai_error(client.get("/v1/completions"), 405)
+    too_long = {**COMPLETION, "prompt": [5] * 600}
+    assert assert_openai_error(client.post("/v1/completions", json=too_long), 400)["code"] == "context_length_exceeded"
+
+
+def test_body_over_the_limit_is_413(tiny_app):
+    client, _ = tiny_app
+    big = json.dumps({**COMPLETION, "prompt": "x" * 100_000})
+    assert_openai_error(client.post("/v1/completions", content=big, headers={"content-type": "application/json"}), 413)
+
+
+def test_api_key_is_required_on_v1_routes_only(tiny_app):
+    _, ctx = tiny_app
+    with TestClient(build_app(dataclasses.replace(ctx, api_key="s3cret")), raise_server_exceptions=False) as client:
+        assert_openai_error(client.post("/v1/completions", json=COMPLETION), 401)
+        assert_openai_error(client.get("/v1/models", headers={"Authorization": "Bearer wrong"}), 401)
+        ok = client.post("/v1/completions", json=COMPLETION, headers={"Authorization": "Bearer s3cret"})
+        assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "length"
+        assert client.get("/health").status_code == 200  # not behind the key, as vLLM
+
+
+def test_a_full_queue_is_429_with_retry_after(tiny_app):
+    client, ctx = tiny_app
+    limit = ctx.engine.engine.config.scheduler.max_num_seqs + ctx.max_queue
+    ctx.engine.num_unfinished = limit  # as if that many requests were in the engine
+    try:
+        r = client.post("/v1/completions", json=COMPLETION)
+        assert assert_openai_error(r, 429)["code"] == "queue_full"
+        assert r.headers["retry-after"] == "1"
+        assert_openai_error(client.post("/v1/chat/completions", json=CHAT), 429)
+    finally:
+        ctx.engine.num_unfinished = 0
+    assert client.post("/v1/completions", json=COMPLETION).status_code == 200
+
+
+def test_a_failing_step_fails_its_requests_and_the_next_one_succeeds(tiny_app):
+    client, ctx = tiny_app
+    model = ctx.engine.engine.runner.model
+    forward = model.forward
+    calls = {"n": 0}
+
+    def flaky(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] in (2, 5):
+            raise RuntimeError("injected fault")
+        return forward(*args, **kwargs)
+
+    model.forward = flaky
+    try:
+        failed = client.post("/v1/completions", json={**COMPLETION, "max_tokens": 5})
+        assert assert_openai_error(failed, 500)["code"] == "engine_step_failed"
+        assert "injected fault" in failed.json()["error"]["message"]
+        with client.stream("POST", "/v1/completions", json={**COMPLETION, "max_tokens": 5, "stream": True}) as r:
+            lines = [line for line in r.iter_lines() if line]
+        assert json.loads(lines[-2].removeprefix("data: "))["error"]["code"] == "engine_step_failed"
+        assert lines[-1] == "data: [DONE]"
+    finally:
+        model.forward = forward
+    ok = client.post("/v1/completions", json=COMPLETION)
+    assert ok.status_code == 200 and len(ok.json()["choices"][0]["text"]) >= 0
+    assert client.get("/health").status_code == 200
+    assert_all_free(ctx)
+
+
+def test_a_dead_engine_makes_health_503_and_requests_503(tiny_folder):
+    ctx = tiny_context(tiny_folder)
+    with TestClient(build_app(ctx), raise_server_exceptions=False) as client:
+        def broken():
+            raise RuntimeError("scheduler bug")
+
+        ctx.engine.engine.scheduler.schedule = broken  # a failure outside the isolated model step
+        assert client.post("/v1/completions", json=COMPLETION).status_code in (500, 503)
+        assert client.get("/health").status_code == 503
+        assert_openai_error(client.post("/v1/completions", json=COMPLETION), 503)
+    ctx.engine.shutdown()
+    assert not ctx.engine._thread.is_alive()
+
+
+json_values = st.recursive(st.none() | st.booleans() | st.integers(-10**6, 10**6) | st.floats(allow_nan=True)
+                           | st.text(max_size=20), lambda children: st.lists(children, max_size=4)
+                           | st.dictionaries(st.text(max_size=10), children, max_size=4), max_leaves=12)
+fields = st.sampled_from(["prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "n", "stop", "seed",
+                          "logprobs", "top_logprobs", "echo", "logit_bias", "stream", "stream_options",
+                          "min_tokens", "response_format", "model", "presence_penalty", "stop_token_ids",
+                          "max_completion_tokens", "min_p", "repetition_penalty", "cache_salt", "ignore_eos"])
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(route=st.sampled_from(["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"]),
+       body=st.one_of(json_values, st.dictionaries(fields, json_values, max_size=6)),
+       base=st.sampled_from([{}, COMPLETION, CHAT]))
+def test_random_json_bodies_never_give_a_500(tiny_app, route, body, base):
+    client, _ = tiny_app
+    if isinstance(body, dict):
+        body = {**base, **body, "max_tokens": 2} if "max_tokens" in body or base else body
+    r = client.post(route, content=json.dumps(body), headers={"content-type": "application/json"})
+    assert r.status_code < 500, (body, r.text)
+    if r.status_code >= 400:
+        assert_openai_error(r, r.status_code)
