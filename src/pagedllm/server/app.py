@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, Response
 import pagedllm
 from pagedllm.server.chat import create_chat_completion
 from pagedllm.server.completions import create_completion
+from pagedllm.server.dashboard import install_dashboard
 from pagedllm.server.errors import OpenAIError, install_error_handlers
 from pagedllm.server.metrics import engine_snapshot
 from pagedllm.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
@@ -75,6 +76,7 @@ def build_app(ctx: ServerContext, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) 
     if ctx.api_key:
         app.add_middleware(_ApiKey, key=ctx.api_key)
     app.add_middleware(_BodyLimit, limit=max_body_bytes)
+    install_dashboard(app, ctx)
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request):
