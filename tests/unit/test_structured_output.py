@@ -93,6 +93,13 @@ def test_bitmask_applier_equals_the_plain_reference(rows, vocab, words):
         expected = reference_apply(logits, bitmask)
         applier.apply(logits, bitmask)
         assert torch.equal(logits, expected)  # allowed logits unchanged bit for bit
+        # the same masks on chosen rows of a taller batch; the other rows untouched
+        tall = torch.randn(rows + 3, vocab, generator=gen)
+        picked = torch.randperm(rows + 3, generator=gen)[:rows]
+        expected = tall.clone()
+        expected[picked] = reference_apply(tall[picked], bitmask)
+        applier.apply(tall, bitmask, picked)
+        assert torch.equal(tall, expected)
 
 
 # -- the manager, on the embedded tokenizer ----------------------------------------------------------
@@ -240,13 +247,19 @@ def test_sampler_masks_grammar_rows_first_and_leaves_other_rows_and_logprobs_raw
     bitmask[0, 1] = 1 << 8
     top = int(logits[1].argmax())
     bias = {top: 100.0} if top not in allowed else {0: 100.0}  # a bias cannot revive a masked token
-    reqs = [Request("free", [1], SamplingParams(temperature=0, logprobs=2), max_tokens=5),
-            Request("g", [1], SamplingParams(temperature=0, logprobs=2, logit_bias=bias), max_tokens=5),
-            Request("free2", [1], SamplingParams(temperature=0), max_tokens=5)]
-    raw = logits.clone()
-    tokens, logprobs = Sampler().sample(logits, reqs, [None] * 3, GrammarBitmask({"g": 0}, bitmask))
-    assert torch.equal(logits, raw)  # the caller's logits are not modified
-    assert tokens[0] == int(raw[0].argmax()) and tokens[2] == int(raw[2].argmax())
-    assert tokens[1] == max(allowed, key=lambda t: float(raw[1, t]))
-    expected = torch.log_softmax(raw[1], -1)[tokens[1]].item()
-    assert logprobs[1].logprob == pytest.approx(expected)  # the raw distribution's, not the masked one's
+    sampler = Sampler()
+    for logprobs in (2, None):
+        reqs = [Request("free", [1], SamplingParams(temperature=0, logprobs=2), max_tokens=5),
+                Request("g", [1], SamplingParams(temperature=0, logprobs=logprobs, logit_bias=bias), max_tokens=5),
+                Request("free2", [1], SamplingParams(temperature=0), max_tokens=5)]
+        raw = logits.clone()
+        tokens, lps = sampler.sample(logits, reqs, [None] * 3, GrammarBitmask({"g": 0}, bitmask))
+        assert tokens[0] == int(raw[0].argmax()) and tokens[2] == int(raw[2].argmax())
+        assert tokens[1] == max(allowed, key=lambda t: float(raw[1, t]))
+        if logprobs:  # the raw distribution's, not the masked one's; the caller's logits untouched
+            assert lps[1].logprob == pytest.approx(torch.log_softmax(raw[1], -1)[tokens[1]].item())
+            assert torch.equal(logits, raw)
+        else:  # masked in place, other rows (and their logprobs) untouched
+            assert torch.equal(logits[[0, 2]], raw[[0, 2]]) and torch.isinf(logits[1]).sum() == vocab - 2
+            assert lps[0].logprob == pytest.approx(torch.log_softmax(raw[0], -1)[tokens[0]].item())
+            logits = raw

@@ -138,11 +138,10 @@ def main(args) -> dict:
     summary["+ json_schema"]["grammar_ms_per_step"] = statistics.median(
         1e3 * r["grammar_seconds"] / r["steps"] for r in cons)
     summary["+ json_schema"]["grammar_share"] = statistics.median(r["grammar_seconds"] / r["seconds"] for r in cons)
-    all_lengths = list(lengths.values())
+    done = list(lengths.values()) or [0]
     print(f"{args.free} free requests ({args.prompt_len} prompt + {args.free_tokens} tokens, greedy) with "
-          f"{args.constrained} more kept in flight; constrained outputs {min(all_lengths)}..{max(all_lengths)} "
-          f"tokens (mean {statistics.mean(all_lengths):.1f}); median of {args.repeats} rounds; "
-          f"dtype {engine.config.dtype}")
+          f"{args.constrained} more kept in flight; {len(lengths)} constrained outputs done, {min(done)}..{max(done)} "
+          f"tokens (mean {statistics.mean(done):.1f}); median of {args.repeats} rounds; dtype {engine.config.dtype}")
     print("| run | free tokens/s | vs free alone | vs + unconstrained | steps | ms/step | grammar ms/step |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     base, twin = summary["free alone"]["free_tok_s"], summary["+ unconstrained"]["free_tok_s"]

@@ -168,11 +168,11 @@ class Sampler:
     def sample(self, logits: torch.Tensor, reqs: Sequence[Request], generators: Sequence[torch.Generator | None],
                grammar: GrammarBitmask | None = None) -> tuple[list[int], dict[int, TokenLogprobs]]:
         """logits [S, V] float32 (one row per request) -> S token ids, and logprobs for the rows whose
-        request asked for them (keyed by row). ``grammar``: allowed tokens of the structured rows."""
+        request asked for them (keyed by row). ``grammar``: allowed tokens of the structured rows,
+        masked in the caller's ``logits`` in place (unless those rows want logprobs)."""
         raw = logits
         if grammar is not None:
-            logits = logits.clone()
-            self._apply_grammar(logits, reqs, grammar)
+            logits = self._apply_grammar(logits, reqs, grammar)
         processed = [i for i, r in enumerate(reqs) if r.sampling_params.has_logits_processors]
         if processed:
             if logits is raw:
@@ -191,21 +191,21 @@ class Sampler:
             out[i] = lp
         return tokens, out
 
-    def _apply_grammar(self, logits: torch.Tensor, reqs: Sequence[Request], grammar: GrammarBitmask) -> None:
-        """Disallowed tokens of the rows whose request has a grammar -> -inf, in place."""
+    def _apply_grammar(self, logits: torch.Tensor, reqs: Sequence[Request], grammar: GrammarBitmask) -> torch.Tensor:
+        """Disallowed tokens of the rows whose request has a grammar -> -inf: in place, unless one of
+        those rows still needs its raw values for logprobs (then on a copy)."""
         rows = [i for i, r in enumerate(reqs) if r.request_id in grammar.rows]
         if not rows:
-            return
+            return logits
+        if any(reqs[i].sampling_params.logprobs is not None for i in rows):
+            logits = logits.clone()
         order = [grammar.rows[reqs[i].request_id] for i in rows]
         bitmask = grammar.bitmask if order == list(range(len(grammar.rows))) else grammar.bitmask[order]
         bitmask = bitmask.to(logits.device, non_blocking=True)
-        if len(rows) == len(reqs):
-            self._masker.apply(logits, bitmask)
-        else:
-            index = torch.tensor(rows, device=logits.device)
-            sub = logits[index]
-            self._masker.apply(sub, bitmask)
-            logits[index] = sub
+        index = None if len(rows) == len(reqs) else torch.tensor(rows, device=logits.device)
+        with torch.inference_mode():  # the model's logits are inference tensors: updated in place only here
+            self._masker.apply(logits, bitmask, index)
+        return logits
 
     def _choose(self, logits: torch.Tensor, reqs: Sequence[Request],
                 generators: Sequence[torch.Generator | None]) -> list[int]:

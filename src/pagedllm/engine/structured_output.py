@@ -63,12 +63,15 @@ class BitmaskApplier:
         self._index = torch.empty(0, dtype=torch.long)
         self._bias = torch.empty(0)
 
-    def apply(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    def apply(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None = None) -> None:
         """Set to -inf, in place, the logits [R, V] of the tokens whose bit is 0 in ``bitmask`` (int32
         [R, W], ``GrammarBitmask``'s layout, which is xgrammar's and llguidance's); tokens past 32 W
-        are disallowed. Each mask byte indexes a [256, 8] table of 0 / -inf, then one add: exact
-        (x + 0 == x) and, on CPU, several times faster than ``masked_fill`` or xgrammar's kernel."""
-        rows, vocab = logits.shape
+        are disallowed. With ``rows`` (long [G]), bitmask row g applies to logits row ``rows[g]`` and
+        the other rows are left alone. Each mask byte indexes a [256, 8] table of 0 / -inf, then one
+        add: exact (x + 0 == x) and, on CPU, several times faster than ``masked_fill`` or
+        xgrammar's own kernel."""
+        vocab = logits.shape[1]
+        count = bitmask.shape[0]
         device, dtype = logits.device, logits.dtype
         if self._table is None or self._table.device != device or self._table.dtype != dtype:
             bits = (torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1
@@ -76,17 +79,21 @@ class BitmaskApplier:
             self._index = torch.empty(0, dtype=torch.long, device=device)
             self._bias = torch.empty(0, dtype=dtype, device=device)
         width = bitmask.shape[1] * 4  # mask bytes per row (little-endian: byte k of word j = tokens 32 j + 8 k...)
-        n = rows * width
+        n = count * width
         if self._index.numel() < n:
             self._index = torch.empty(n, dtype=torch.long, device=device)
             self._bias = torch.empty(n, 8, dtype=dtype, device=device)
         index, bias = self._index[:n], self._bias[:n]
-        index.view(rows, width).copy_(bitmask.contiguous().view(torch.uint8))
+        index.view(count, width).copy_(bitmask.contiguous().view(torch.uint8))
         torch.index_select(self._table, 0, index, out=bias)
-        covered = min(vocab, width * 8)
-        logits[:, :covered] += bias.view(rows, -1)[:, :covered]
-        if covered < vocab:
-            logits[:, covered:] = float("-inf")
+        bias = bias.view(count, -1)
+        if width * 8 < vocab:  # the mask is narrower than the logits: the rest is disallowed
+            bias = torch.cat([bias, bias.new_full((count, vocab - width * 8), float("-inf"))], dim=1)
+        bias = bias[:, :vocab]
+        if rows is None:
+            logits += bias
+        else:
+            logits.index_add_(0, rows, bias)
 
 
 def grammar_spec(params: StructuredOutputsParams) -> tuple[str, str]:
