@@ -135,6 +135,18 @@ def test_compiled_grammars_are_cached_by_spec_in_a_small_lru(tok):
     assert m.num_compiled == 4
 
 
+def test_compile_may_run_on_other_threads(tok):
+    from concurrent.futures import ThreadPoolExecutor
+
+    m = StructuredOutputManager(tok, VOCAB, [EOS], cache_size=4)
+    specs = [StructuredOutputsParams(regex=f"[a-z]{{{i}}}") for i in range(1, 7)] * 3
+    with ThreadPoolExecutor(4) as pool:
+        grammars = list(pool.map(m.compile, specs))
+    assert all(g is not None for g in grammars) and len(m._cache) == 4
+    m.add(["a"], m.compile(specs[0]))
+    assert m.accept("a", tok.encode("x", add_special_tokens=False)[0]) == (True, None)
+
+
 @pytest.mark.parametrize("params, message", [
     (StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "strin"}}}),
      r"structured_outputs\.json is invalid: .*strin"),

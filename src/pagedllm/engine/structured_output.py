@@ -16,6 +16,10 @@ Invariants:
   scheduler appends them, and recomputing a preempted sequence appends none;
 - a step whose sampling sequences have no grammar builds no bitmask (``bitmask`` returns None);
 - matchers live exactly as long as their sequence (``release`` when it finishes or is aborted).
+
+Only the engine thread calls ``add``, ``bitmask``, ``accept`` and ``release``; ``compile`` may also be
+called from another thread (a server can compile a request's grammar before handing it to the
+engine thread, whose ``add_request`` then finds it in the cache and never waits on a compile).
 """
 
 from __future__ import annotations
@@ -138,6 +142,7 @@ class StructuredOutputManager:
         self._executor = None       # llguidance.LLExecutor: fills a batch of masks on its threads
         self._cache: OrderedDict[tuple[str, str, bool], Any] = OrderedDict()  # key -> pristine LLMatcher
         self._matchers: dict[str, Any] = {}  # live sequence id -> its LLMatcher
+        self._lock = threading.Lock()  # guards the cache and the lazy tokenizer view (compile is thread-safe)
         self.num_compiled = 0  # grammars compiled (cache misses), for tests and stats
 
     # -- requests ------------------------------------------------------------------------------
@@ -146,10 +151,11 @@ class StructuredOutputManager:
         seconds); raises ``InvalidRequest`` naming the field and the problem."""
         kind, spec = grammar_spec(params)
         key = (kind, spec, not params.disable_any_whitespace)
-        cached = self._cache.get(key)
-        if cached is not None:
-            self._cache.move_to_end(key)
-            return cached
+        with self._lock:
+            cached = self._cache.get(key)
+            if cached is not None:
+                self._cache.move_to_end(key)
+                return cached
         if self.tokenizer is None:
             raise InvalidRequest(f"{_FIELD[kind]} needs a tokenizer; this model has none")
         tokenizer = self._tokenizer()
@@ -167,10 +173,11 @@ class StructuredOutputManager:
             return matcher
 
         matcher = self._with_time_limit(build, kind)
-        self.num_compiled += 1
-        self._cache[key] = matcher
-        if len(self._cache) > self.cache_size:
-            self._cache.popitem(last=False)
+        with self._lock:
+            self.num_compiled += 1
+            self._cache[key] = matcher
+            if len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
         return matcher
 
     def _with_time_limit(self, build: Callable[[], Any], kind: str):
@@ -244,6 +251,10 @@ class StructuredOutputManager:
 
     # -- internals ----------------------------------------------------------------------------------
     def _tokenizer(self):
+        with self._lock:
+            return self._tokenizer_locked()
+
+    def _tokenizer_locked(self):
         if self._llg_tokenizer is None:
             import llguidance
             import llguidance.hf  # not llguidance.torch: importing it compiles a kernel with torch.compile
