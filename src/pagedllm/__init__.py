@@ -2,7 +2,7 @@
 
 Public API (imported lazily so ``import pagedllm`` stays cheap): ``LLM``, ``SamplingParams``,
 ``RequestOutputKind``, ``RequestOutput``, ``CompletionOutput``, ``Logprob``, ``BeamSearchParams``,
-``EngineOptions``, and the errors in ``pagedllm.errors``.
+``StructuredOutputsParams``, ``EngineOptions``, and the errors in ``pagedllm.errors``.
 """
 
 from __future__ import annotations
@@ -11,12 +11,13 @@ import importlib
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "RequestOutputKind", "RequestOutput", "CompletionOutput", "Logprob",
-           "BeamSearchParams", "EngineOptions"]
+           "BeamSearchParams", "StructuredOutputsParams", "EngineOptions"]
 
 _LAZY = {
     "LLM": "pagedllm.llm",
     "SamplingParams": "pagedllm.engine.sampling_params",
     "RequestOutputKind": "pagedllm.engine.sampling_params",
+    "StructuredOutputsParams": "pagedllm.engine.sampling_params",
     "Logprob": "pagedllm.engine.outputs",
     "EngineOptions": "pagedllm.config",
     "RequestOutput": "pagedllm.engine.outputs",

@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import importlib
 import json
+import os
 import sys
 import time
 import typing
@@ -293,6 +294,21 @@ def make_parser() -> argparse.ArgumentParser:
     pr.add_argument("--output-len", default="64:128")
     pr.add_argument("--num-kv-blocks", type=int, default=64)
     pr.add_argument("--swap-space", default="256MiB")
+    gl = bench_parser("grammar-libs", "structured output: xgrammar vs llguidance (compile, mask, memory)",
+                      "grammar_bench", engine_options=False)
+    gl.add_argument("--batch", type=int, default=32)
+    gl.add_argument("--steps", type=int, default=400)
+    gl.add_argument("--threads", type=int, default=min(8, os.cpu_count() or 1))
+    gl.add_argument("--repeats", type=int, default=3, help="runs per library (alternating); the fastest is shown")
+    gl.add_argument("--single", default=None, help=argparse.SUPPRESS)  # one library, in a child process
+    so = bench_parser("structured", "free requests' throughput next to JSON-schema-constrained ones",
+                      "structured_bench")
+    so.add_argument("--free", type=int, default=24, help="unconstrained requests")
+    so.add_argument("--constrained", type=int, default=8, help="JSON-schema requests kept in flight")
+    so.add_argument("--prompt-len", type=int, default=64)
+    so.add_argument("--free-tokens", type=int, default=128)
+    so.add_argument("--constrained-max-tokens", type=int, default=256)
+    so.add_argument("--repeats", type=int, default=3, help="alternating rounds; medians are shown")
     return parser
 
 

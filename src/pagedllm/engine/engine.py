@@ -31,6 +31,7 @@ from pagedllm.engine.outputs import CompletionOutput, RequestMetrics, RequestOut
 from pagedllm.engine.request import Request, RequestStatus
 from pagedllm.engine.sampling_params import SamplingParams
 from pagedllm.engine.scheduler import Scheduler, SchedulerOutput
+from pagedllm.engine.structured_output import StructuredOutputManager
 from pagedllm.errors import ConfigError, InvalidRequest, RequestTooLong
 from pagedllm.kvcache.contiguous import ContiguousKVCacheManager
 from pagedllm.kvcache.manager import KVCacheManager
@@ -87,6 +88,8 @@ class Engine:
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
+        # grammars and matchers of structured-output requests (llguidance is imported on first use)
+        self.structured = StructuredOutputManager(tokenizer, config.model.vocab_size, self.eos_token_ids)
         self._requests: dict[str, RequestState | BeamGroup] = {}  # user request id -> its state
         self._owner: dict[str, RequestState | BeamGroup] = {}     # live scheduler request id -> its owner
         self._counter = itertools.count()
@@ -252,6 +255,7 @@ class Engine:
             return self._add_beam_search(request_id, text, ids, salt, params)
         max_tokens = self._check_length(len(ids), params.max_tokens)
         bad_words = self._check_params(params)
+        grammar = None if params.structured_outputs is None else self.structured.compile(params.structured_outputs)
         seqs = []
         for i in range(params.n):
             seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
@@ -265,6 +269,8 @@ class Engine:
                                                                                 params.skip_special_tokens)
             seqs.append(SequenceState(req, i, detok))
         state = RequestState(request_id, text, ids, seqs, params.output_kind, seqs[0].request.arrival_time)
+        if grammar is not None:
+            self.structured.add([s.request.request_id for s in seqs], grammar)
         self.scheduler.add(seqs[0].request, [s.request for s in seqs[1:]])
         self._requests[request_id] = state
         for s in seqs:
@@ -306,6 +312,7 @@ class Engine:
 
     def _release(self, rid: str) -> None:
         self.runner.release(rid)
+        self.structured.release(rid)
         self._owner.pop(rid, None)
 
     # -- one iteration ------------------------------------------------------------------------
@@ -317,7 +324,7 @@ class Engine:
         self._empty_steps = 0
         self.num_steps += 1
         try:
-            result = self.runner.execute(sched_out, self.scheduler.requests)
+            result = self.runner.execute(sched_out, self.scheduler.requests, self.structured.bitmask(sched_out))
         except Exception as exc:  # noqa: BLE001 - a failed step fails its own requests, not the engine
             return self._fail_step(sched_out, exc)
         progressed = self.scheduler.update(sched_out, result.tokens)
@@ -347,12 +354,26 @@ class Engine:
     def _process(self, state: RequestState, req: Request, lp) -> SequenceState:
         seq = next(s for s in state.seqs if s.request is req)
         token = req.output_token_ids[-1]
+        grammar_done = req.request_id in self.structured and self._accept_grammar(state, req, token)
         stop = seq.add_token(token, None if lp is None else to_logprob_dict(lp, self.tokenizer))
         if stop is not None and not req.status.finished:
             self.scheduler.finish(req.request_id, RequestStatus.FINISHED_STOPPED)
+        if grammar_done and not seq.finished:  # the grammar is complete: only EOS could follow
+            self.scheduler.finish(req.request_id, RequestStatus.FINISHED_STOPPED)
+            seq.finish("stop")
         if seq.finished:
             self._release(req.request_id)
         return seq
+
+    def _accept_grammar(self, state: RequestState, req: Request, token: int) -> bool:
+        """Feed a structured-output sequence its new token; True when its grammar is complete. A token
+        the grammar rejects fails this sequence alone (``finish_reason="error"``)."""
+        completed, error = self.structured.accept(req.request_id, token)
+        if error is not None:
+            log.error("request %s: %s", req.request_id, error)
+            state.error = error
+            self.scheduler.finish(req.request_id, RequestStatus.FINISHED_ERROR)
+        return completed
 
     def _emit(self, state: RequestState, outputs: list[RequestOutput], changed: set[int] | None = None) -> None:
         out = state.output(changed)

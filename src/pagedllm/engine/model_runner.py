@@ -17,6 +17,7 @@ from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.engine.request import Request
 from pagedllm.engine.sampler import Sampler, TokenLogprobs, logprobs_of
 from pagedllm.engine.scheduler import ScheduledChunk, SchedulerOutput
+from pagedllm.engine.structured_output import GrammarBitmask
 from pagedllm.kvstore.host_tier import HostTier
 from pagedllm.kvstore.storage import KVCacheStorage
 from pagedllm.models.llama import LlamaForCausalLM
@@ -97,8 +98,10 @@ class ModelRunner:
         if self.host is not None:
             self.host.wait()
 
-    def execute(self, out: SchedulerOutput, requests: dict[str, Request]) -> StepResult:
-        """Run one step; returns the sampled token (and logprobs if asked) of every chunk that samples."""
+    def execute(self, out: SchedulerOutput, requests: dict[str, Request],
+                grammar: GrammarBitmask | None = None) -> StepResult:
+        """Run one step; returns the sampled token (and logprobs if asked) of every chunk that samples.
+        ``grammar``: the allowed tokens of the sampling sequences that have a structured-output grammar."""
         if self.host is not None:
             self.host.wait()  # blocks prefetched during the previous step are in place now
             if out.swap_out:
@@ -128,7 +131,7 @@ class ModelRunner:
         if not rows:
             return result
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
-        tokens, logprobs = self.sampler.sample(logits, reqs, [self._generator(r) for r in reqs])
+        tokens, logprobs = self.sampler.sample(logits, reqs, [self._generator(r) for r in reqs], grammar)
         result.tokens = {r.request_id: tok for r, tok in zip(reqs, tokens, strict=True)}
         result.logprobs = {reqs[i].request_id: lp for i, lp in logprobs.items()}
         return result

@@ -1,12 +1,15 @@
 """Sampler: next token ids (and log-probabilities) from a batch of logits, vectorised over rows.
 
-Order, as in vLLM: logits processors (``allowed_token_ids``, ``bad_words``, ``min_tokens``,
-``logit_bias``), then penalties (repetition on prompt + output tokens; frequency and presence on
-output tokens), then greedy rows take the arg-max, sampling rows apply temperature, min-p, top-k,
-top-p and draw with the exponential race ``argmax(p / E)``, ``E ~ Exp(1)`` from the request's own
-``torch.Generator`` (so a seeded request gives the same tokens alone or in any batch).
+Order, as in vLLM: the grammar bitmask of structured-output rows (``GrammarBitmask``: tokens it
+disallows set to -inf; rows without a grammar untouched, and no work at all without one), logits
+processors (``allowed_token_ids``, ``bad_words``, ``min_tokens``, ``logit_bias``), then penalties
+(repetition on prompt + output tokens; frequency and presence on output tokens), then greedy rows
+take the arg-max, sampling rows apply temperature, min-p, top-k, top-p and draw with the
+exponential race ``argmax(p / E)``, ``E ~ Exp(1)`` from the request's own ``torch.Generator`` (so a
+seeded request gives the same tokens alone or in any batch).
 Log-probabilities are those of the model's raw distribution (vLLM's default ``raw_logprobs``).
 Every tensor stays on the logits' device. Rows that use none of a feature cost nothing for it.
+Between steps the sampler keeps only scratch buffers (the bitmask applier's).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedllm.engine.request import Request
+from pagedllm.engine.structured_output import BitmaskApplier, GrammarBitmask
 
 
 @dataclass
@@ -158,14 +162,21 @@ def logprobs_of(logits: torch.Tensor, token_ids: Sequence[int], k: int) -> list[
 class Sampler:
     """Samples one token per row of a logits batch."""
 
-    def sample(self, logits: torch.Tensor, reqs: Sequence[Request],
-               generators: Sequence[torch.Generator | None]) -> tuple[list[int], dict[int, TokenLogprobs]]:
+    def __init__(self) -> None:
+        self._masker = BitmaskApplier()
+
+    def sample(self, logits: torch.Tensor, reqs: Sequence[Request], generators: Sequence[torch.Generator | None],
+               grammar: GrammarBitmask | None = None) -> tuple[list[int], dict[int, TokenLogprobs]]:
         """logits [S, V] float32 (one row per request) -> S token ids, and logprobs for the rows whose
-        request asked for them (keyed by row)."""
+        request asked for them (keyed by row). ``grammar``: allowed tokens of the structured rows,
+        masked in the caller's ``logits`` in place (unless those rows want logprobs)."""
         raw = logits
+        if grammar is not None:
+            logits = self._apply_grammar(logits, reqs, grammar)
         processed = [i for i, r in enumerate(reqs) if r.sampling_params.has_logits_processors]
         if processed:
-            logits = logits.clone()
+            if logits is raw:
+                logits = logits.clone()
             rows = torch.tensor(processed, device=logits.device)
             logits[rows] = apply_logits_processors(logits[rows], [reqs[i] for i in processed])
         tokens = self._choose(logits, reqs, generators)
@@ -179,6 +190,22 @@ class Sampler:
             lp.top = lp.top[:reqs[i].sampling_params.logprobs]
             out[i] = lp
         return tokens, out
+
+    def _apply_grammar(self, logits: torch.Tensor, reqs: Sequence[Request], grammar: GrammarBitmask) -> torch.Tensor:
+        """Disallowed tokens of the rows whose request has a grammar -> -inf: in place, unless one of
+        those rows still needs its raw values for logprobs (then on a copy)."""
+        rows = [i for i, r in enumerate(reqs) if r.request_id in grammar.rows]
+        if not rows:
+            return logits
+        if any(reqs[i].sampling_params.logprobs is not None for i in rows):
+            logits = logits.clone()
+        order = [grammar.rows[reqs[i].request_id] for i in rows]
+        bitmask = grammar.bitmask if order == list(range(len(grammar.rows))) else grammar.bitmask[order]
+        bitmask = bitmask.to(logits.device, non_blocking=True)
+        index = None if len(rows) == len(reqs) else torch.tensor(rows, device=logits.device)
+        with torch.inference_mode():  # the model's logits are inference tensors: updated in place only here
+            self._masker.apply(logits, bitmask, index)
+        return logits
 
     def _choose(self, logits: torch.Tensor, reqs: Sequence[Request],
                 generators: Sequence[torch.Generator | None]) -> list[int]:

@@ -8,11 +8,14 @@ generated tokens (1 = off). ``logit_bias`` adds to the logits of the given token
 [-100, 100] as OpenAI does); ``allowed_token_ids`` keeps only those tokens; ``bad_words`` are
 never generated; ``min_tokens`` holds back EOS, stop token ids and stop strings until that many
 tokens exist. Token-id ranges are checked against the model's vocabulary by the engine.
+``structured_outputs`` (``StructuredOutputsParams``) constrains the output to a JSON schema, any
+JSON object, a regex, one of a list of strings or a grammar (``engine/structured_output.py``).
 """
 
 from __future__ import annotations
 
 import enum
+import json
 import operator
 from dataclasses import dataclass, field
 
@@ -49,6 +52,77 @@ def _token_id(v: object, name: str) -> int:
     return t
 
 
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """vLLM's structured-output constraint: exactly one of ``json`` (a JSON schema: a dict, its JSON
+    text, or a pydantic model class), ``json_object=True`` (any JSON object), ``regex``, ``choice``
+    (exactly one of these strings) or ``grammar`` (Lark, or llama.cpp's GBNF). With
+    ``disable_any_whitespace`` JSON has no whitespace outside strings (by default any is allowed).
+    Checked here for shape; the engine compiles it when the request is added (an invalid schema,
+    regex or grammar is an ``InvalidRequest`` then). Raises ``ValueError`` naming a bad field."""
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.json, type) and hasattr(self.json, "model_json_schema"):  # a pydantic model
+            self.json = self.json.model_json_schema()
+        if self.json_object is not None and not isinstance(self.json_object, bool):
+            raise ValueError(f"structured_outputs.json_object must be a bool, got {self.json_object!r}")
+        if not isinstance(self.disable_any_whitespace, bool):
+            raise ValueError(f"structured_outputs.disable_any_whitespace must be a bool, "
+                             f"got {self.disable_any_whitespace!r}")
+        given = [k for k in STRUCTURED_KINDS if getattr(self, k) is not None and getattr(self, k) is not False]
+        if not given:
+            raise ValueError(f"structured_outputs needs one of {', '.join(STRUCTURED_KINDS)}")
+        if len(given) > 1:
+            raise ValueError(f"structured_outputs takes one constraint, got {' and '.join(given)}")
+        if self.json is not None:
+            self.json = self._schema(self.json)
+        for name in ("regex", "grammar"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string, got {v!r}")
+        if self.choice is not None:
+            if (isinstance(self.choice, str) or not isinstance(self.choice, list | tuple) or not self.choice
+                    or not all(isinstance(c, str) and c for c in self.choice)):
+                raise ValueError(f"structured_outputs.choice must be a non-empty list of non-empty strings, "
+                                 f"got {self.choice!r}")
+            self.choice = list(self.choice)
+
+    @staticmethod
+    def _schema(value: object) -> dict | str:
+        """A JSON schema as given (dict, or JSON text of an object); its details are checked when compiled."""
+        if isinstance(value, str):
+            try:
+                parsed = json.loads(value)
+            except ValueError as e:
+                raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+            if not isinstance(parsed, dict):
+                raise ValueError(f"structured_outputs.json must be a JSON schema object, got {value!r}")
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(f"structured_outputs.json must be a JSON schema (a dict or its JSON text), "
+                             f"got {type(value).__name__}")
+        try:
+            json.dumps(value)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"structured_outputs.json must be JSON-serialisable: {e}") from None
+        return value
+
+    @property
+    def kind(self) -> str:
+        """Which constraint: one of ``STRUCTURED_KINDS``."""
+        return next(k for k in STRUCTURED_KINDS if getattr(self, k) is not None and getattr(self, k) is not False)
+
+
 @dataclass
 class SamplingParams:
     """How to sample one request's completion(s). Raises ``ValueError`` naming a bad field."""
@@ -75,6 +149,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None  # JSON schema / json_object / regex / choice / grammar
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -117,6 +192,8 @@ class SamplingParams:
             self.logit_bias = self._bias(self.logit_bias)
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got {self.structured_outputs!r}")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
