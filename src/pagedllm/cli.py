@@ -309,6 +309,29 @@ def make_parser() -> argparse.ArgumentParser:
     so.add_argument("--free-tokens", type=int, default=128)
     so.add_argument("--constrained-max-tokens", type=int, default=256)
     so.add_argument("--repeats", type=int, default=3, help="alternating rounds; medians are shown")
+
+    def serve_workload_args(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--num-prompts", type=int, default=64)
+        p.add_argument("--input-len", default="128", help="prompt words (one token each in SmolLM2): N or MIN:MAX")
+        p.add_argument("--output-len", default="128", help="output tokens (max_tokens + ignore_eos): N or MIN:MAX")
+        p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight (default: no limit)")
+        p.add_argument("--num-warmups", type=int, default=1, help="short untimed requests first")
+        p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    sv = bench_parser("serve", "load on any OpenAI-compatible server (as vllm bench serve)", "serve_bench",
+                      engine_options=False)
+    sv.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
+    sv.add_argument("--model", default=None, help="model name to send (default: the first id of GET /models)")
+    sv.add_argument("--api-key", default=None)
+    sv.add_argument("--endpoint", default="completions", choices=["completions", "chat"])
+    serve_workload_args(sv)
+    sv.add_argument("--request-rate", type=float, default=float("inf"),
+                    help="requests per second, Poisson arrivals (default inf: all at once)")
+    sv.add_argument("--server-pid", type=int, default=None, help="also report this local process's CPU time")
+    sv.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    off = bench_parser("serve-offline", "the bench serve workload through LLM.generate in-process (the server's "
+                      "baseline)", "serve_offline")
+    serve_workload_args(off)
     return parser
 
 

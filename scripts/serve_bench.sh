@@ -1,0 +1,103 @@
+#!/usr/bin/env bash
+# The figures of "Serving: pagedllm serve under load" (docs/benchmarks.md) in one go.
+# Starts `pagedllm serve --dtype bfloat16` (engine defaults otherwise) on a free loopback port,
+# measures its CPU time while idle over IDLE seconds (/proc/<pid>/stat utime + stime), then, for
+# ROUNDS rounds and each concurrency C, runs one workload (max(C, 4) prompts of INPUT words, OUTPUT
+# tokens each, ignore_eos, greedy) twice, alternating:
+#   A: `pagedllm bench serve-offline --max-concurrency C` (LLM.generate in-process, max_num_seqs C)
+#   B: `pagedllm bench serve --max-concurrency C` against the server (the load generator's and the
+#      server's CPU time measured apart)
+# Each (round, C) pair gets its own seed, so the server's prefix cache never holds a prompt twice.
+# Prints medians per C: output tok/s offline and served, the server's overhead, latencies, CPU.
+# Usage: bash scripts/serve_bench.sh [ROUNDS] ["1 8 32 64"] [IDLE_SECONDS]
+#   env: INPUT (128), OUTPUT (128), SERVE_BENCH_DIR (where the JSON reports go; default a temp dir);
+#   OpenMP variables (OMP_WAIT_POLICY=passive, ...) reach the server and the offline runs alike.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+rounds="${1:-3}"
+concurrencies="${2:-1 8 32 64}"
+idle="${3:-20}"
+input="${INPUT:-128}"
+output="${OUTPUT:-128}"
+py="$PWD/.venv/bin/python"
+work="${SERVE_BENCH_DIR:-$(mktemp -d)}"
+mkdir -p "$work"
+num_prompts() { echo $(( $1 < 4 ? 4 : $1 )); }  # one wave of C requests; 4 one after the other for C = 1
+
+port=$("$py" -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
+"$py" -m pagedllm serve --dtype bfloat16 --port "$port" > "$work/server.log" 2>&1 &
+pid=$!
+trap 'kill "$pid" 2>/dev/null; wait "$pid" 2>/dev/null || true' EXIT
+"$py" - "$port" <<'EOF'
+import sys, time, httpx
+for _ in range(600):
+    try:
+        if httpx.get(f"http://127.0.0.1:{sys.argv[1]}/health", timeout=1).status_code == 200:
+            sys.exit(0)
+    except httpx.HTTPError:
+        pass
+    time.sleep(0.5)
+sys.exit("the server did not start")
+EOF
+echo "server pid $pid at port $port; reports in $work"
+sleep 5
+"$py" - "$pid" "$idle" "$work/idle.json" <<'EOF'
+import json, sys, time
+from pagedllm.bench.machine import machine_info, process_cpu_seconds
+pid, seconds = int(sys.argv[1]), float(sys.argv[2])
+t, c = time.perf_counter(), process_cpu_seconds(pid)
+time.sleep(seconds)
+wall, cpu = time.perf_counter() - t, process_cpu_seconds(pid) - c
+report = {"wall_s": round(wall, 3), "cpu_s": round(cpu, 3), "percent_of_one_core": round(100 * cpu / wall, 3),
+          "machine": machine_info()}
+json.dump(report, open(sys.argv[3], "w"), indent=2)
+print(f"idle server: {cpu:.3f} s of CPU in {wall:.1f} s = {100 * cpu / wall:.2f}% of one core")
+EOF
+
+for round in $(seq "$rounds"); do
+  for c in $concurrencies; do
+    n=$(num_prompts "$c")
+    common=(--num-prompts "$n" --input-len "$input" --output-len "$output" --max-concurrency "$c"
+            --seed $(( 1000 * round + c )) --no-progress)
+    "$py" -m pagedllm.cli bench serve-offline "${common[@]}" --json "$work/A.$c.$round.json" > "$work/A.$c.$round.log" 2>&1
+    "$py" -m pagedllm.cli bench serve "${common[@]}" --base-url "http://127.0.0.1:$port/v1" --server-pid "$pid" \
+      --json "$work/B.$c.$round.json" > "$work/B.$c.$round.log" 2>&1
+    echo "round $round/$rounds, $c streams ($n prompts): A $(tail -c 60 "$work/A.$c.$round.log" | tr -d '\n')" \
+         "| B $(grep 'Output token throughput' "$work/B.$c.$round.log" | awk '{print $NF}') tok/s"
+  done
+done
+
+"$py" - "$work" $concurrencies <<'EOF'
+import json, statistics, sys
+from pathlib import Path
+
+work, concurrencies = Path(sys.argv[1]), sys.argv[2:]
+med = statistics.median
+load = lambda side, c: [json.loads(p.read_text()) for p in sorted(work.glob(f"{side}.{c}.*.json"))]
+print(f"{'streams':>7} {'offline tok/s':>22} {'served tok/s':>22} {'overhead':>9} {'TTFT p50':>9} {'TPOT p50':>9} "
+      f"{'ITL p99':>8} {'client cores':>12} {'server cores':>12} {'offline cores':>13}")
+first = json.loads(next(work.glob("B.*.json")).read_text())["machine"]
+print(f"{first['cpu']}, {first['cores']} cores, {' '.join(first['flags']) or 'no avx512/amx'}; "
+      f"OpenMP env {first['threading_env'] or 'default'}")
+rows = {}
+for c in concurrencies:
+    a, b = load("A", c), load("B", c)
+    assert all(r["failed"] == 0 and r["total_output_tokens"] == r["requested_output_tokens"] for r in a + b)
+    ta, tb = [r["output_throughput"] for r in a], [r["output_throughput"] for r in b]
+    # overhead per round (A and B ran back to back), then the median of those
+    over = med(1 - y / x for x, y in zip(ta, tb, strict=True))
+    row = {"offline_tok_s": med(ta), "offline_runs": ta, "served_tok_s": med(tb), "served_runs": tb,
+           "overhead": over, "ttft_p50_ms": med(r["ttft_ms"]["p50"] for r in b),
+           "tpot_p50_ms": med(r["tpot_ms"]["p50"] for r in b), "itl_p99_ms": med(r["itl_ms"]["p99"] for r in b),
+           "e2e_p50_ms": med(r["e2e_ms"]["p50"] for r in b),
+           "client_cores": med(r["client_cpu"]["cores_busy"] for r in b),
+           "server_cores": med(r["server_cpu"]["cores_busy"] for r in b),
+           "offline_cores": med(r["process_cpu"]["cores_busy"] for r in a),
+           "load_average_1m": [r["machine"]["load_average_1m"] for r in a + b]}
+    rows[c] = row
+    print(f"{c:>7} {row['offline_tok_s']:>8.1f} {str([round(x, 1) for x in ta]):>13} "
+          f"{row['served_tok_s']:>8.1f} {str([round(x, 1) for x in tb]):>13} {100 * over:>8.1f}% "
+          f"{row['ttft_p50_ms']:>9.0f} {row['tpot_p50_ms']:>9.1f} {row['itl_p99_ms']:>8.0f} "
+          f"{row['client_cores']:>12.3f} {row['server_cores']:>12.3f} {row['offline_cores']:>13.3f}")
+json.dump(rows, open(work / "summary.json", "w"), indent=2)
+EOF

@@ -1,0 +1,83 @@
+"""What a benchmark report says about the machine and about CPU time spent.
+
+``machine_info()`` names the CPU (model name and the avx512*/amx* flags from /proc/cpuinfo, the
+core count); ``process_cpu_seconds(pid)`` reads another process's user + system CPU time from
+/proc/<pid>/stat, and ``CpuClock`` measures this process's own CPU time over a stretch of code, so
+a report can separate a load generator's share of the cores from the server's.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import resource
+import time
+from dataclasses import dataclass
+
+THREADING_ENV = ("OMP_", "GOMP_", "KMP_", "MKL_NUM_THREADS")
+
+
+def _cpuinfo_field(text: str, name: str) -> str | None:
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == name:
+            return value.strip()
+    return None
+
+
+def machine_info() -> dict:
+    """CPU model name, logical core count, SIMD flags of interest, Python, and the environment
+    variables that change how OpenMP threads wait (they decide figures on a busy machine)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            text = f.read()
+    except OSError:
+        text = ""
+    flags = (_cpuinfo_field(text, "flags") or "").split()
+    return {"cpu": _cpuinfo_field(text, "model name") or platform.processor() or platform.machine(),
+            "cores": os.cpu_count(),
+            "flags": sorted(f for f in set(flags) if f.startswith(("avx512", "amx"))),
+            "python": platform.python_version(),
+            "load_average_1m": round(os.getloadavg()[0], 2),  # others' work on a shared machine
+            "threading_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith(THREADING_ENV)}}
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds a process has used so far (its threads included), from /proc."""
+    with open(f"/proc/{pid}/stat") as f:
+        stat = f.read()
+    # the command name (field 2) may hold spaces; fields after its closing parenthesis are fixed
+    fields = stat[stat.rindex(")") + 2:].split()
+    utime, stime = int(fields[11]), int(fields[12])  # fields 14 and 15 of proc(5)
+    return (utime + stime) / os.sysconf("SC_CLK_TCK")
+
+
+@dataclass
+class CpuTime:
+    """CPU seconds this process used over a stretch of wall time."""
+
+    wall_s: float
+    process_s: float  # time.process_time(): user + system, all threads
+    user_s: float     # getrusage(RUSAGE_SELF)
+    system_s: float
+
+    def as_dict(self) -> dict:
+        cores = os.cpu_count() or 1
+        return {"wall_s": round(self.wall_s, 3), "process_s": round(self.process_s, 3),
+                "user_s": round(self.user_s, 3), "system_s": round(self.system_s, 3),
+                "cores_busy": round(self.process_s / self.wall_s, 3) if self.wall_s > 0 else None,
+                "share_of_machine": round(self.process_s / self.wall_s / cores, 4) if self.wall_s > 0 else None}
+
+
+class CpuClock:
+    """``with CpuClock() as clock: ...`` then ``clock.result``: this process's CPU time over the block."""
+
+    def __enter__(self) -> CpuClock:
+        self._wall, self._proc = time.perf_counter(), time.process_time()
+        self._usage = resource.getrusage(resource.RUSAGE_SELF)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        self.result = CpuTime(time.perf_counter() - self._wall, time.process_time() - self._proc,
+                              usage.ru_utime - self._usage.ru_utime, usage.ru_stime - self._usage.ru_stime)

@@ -1,0 +1,287 @@
+"""``pagedllm bench serve``: load on any OpenAI-compatible server, measured as ``vllm bench serve`` does.
+
+Owns the client side of a serving benchmark: it sends ``num_prompts`` seeded synthetic requests
+(random-word prompts, ``bench/text_workload.py``) to ``/v1/completions`` or ``/v1/chat/completions``
+through the official ``openai.AsyncOpenAI`` client, each streamed (``stream_options.include_usage``)
+with ``max_tokens`` = its output length and ``ignore_eos`` as an extra body field, so every request
+generates exactly what it asked for (vLLM and pagedllm both accept it). Requests arrive as a
+Poisson process of ``request_rate`` per second (``inf``: all at t = 0) and at most
+``max_concurrency`` are in flight at once. Failed requests (HTTP errors, refused connections, an
+error chunk mid-stream, a stream without a finish reason) are counted and reported, never raised.
+
+The report (``serve_metrics.summarize``) gives completed/failed requests, throughput, TTFT, TPOT,
+ITL and E2E latency, plus the settings, the machine, the most requests seen in flight, this
+process's own CPU time over the run (the load generator's share of the cores) and, given
+``server_pid`` on the same machine, the server's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import openai
+
+from pagedllm.bench.machine import CpuClock, machine_info, process_cpu_seconds
+from pagedllm.bench.serve_metrics import RequestRecord, summarize
+from pagedllm.bench.text_workload import TextRequest, text_workload
+
+ENDPOINTS = ("completions", "chat")
+
+
+@dataclass(frozen=True)
+class ServeBenchConfig:
+    base_url: str = "http://127.0.0.1:8000/v1"
+    model: str | None = None            # None: the first id of GET /models
+    api_key: str | None = None
+    endpoint: str = "completions"
+    num_prompts: int = 64
+    input_len: tuple[int, int] = (128, 128)
+    output_len: tuple[int, int] = (128, 128)
+    request_rate: float = math.inf      # requests per second, Poisson arrivals; inf: all at once
+    max_concurrency: int | None = None  # None: no limit
+    seed: int = 0
+    num_warmups: int = 1                # short requests sent (and awaited) before the timed run
+    server_pid: int | None = None       # also report this local process's CPU time over the run
+    timeout_s: float = 600.0
+    progress: bool = True
+
+    def validate(self) -> None:
+        if self.endpoint not in ENDPOINTS:
+            raise ValueError(f"endpoint must be one of {ENDPOINTS}, got {self.endpoint!r}")
+        if self.num_prompts < 1:
+            raise ValueError(f"num_prompts must be at least 1, got {self.num_prompts}")
+        if not self.request_rate > 0:
+            raise ValueError(f"request_rate must be positive (or inf), got {self.request_rate}")
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be at least 1, got {self.max_concurrency}")
+        if self.num_warmups < 0:
+            raise ValueError(f"num_warmups must be >= 0, got {self.num_warmups}")
+
+    def settings(self) -> dict:
+        s = asdict(self)
+        s.update(input_len=f"{self.input_len[0]}:{self.input_len[1]}",
+                 output_len=f"{self.output_len[0]}:{self.output_len[1]}",
+                 request_rate="inf" if math.isinf(self.request_rate) else self.request_rate,
+                 api_key="***" if self.api_key else None)
+        del s["progress"]
+        return s
+
+
+def arrival_offsets(n: int, rate: float, seed: int) -> list[float]:
+    """Seconds after the start at which each request arrives: a Poisson process of ``rate``
+    per second starting at 0 (exponential gaps), or all at 0 for ``inf``."""
+    if math.isinf(rate):
+        return [0.0] * n
+    rng = random.Random(f"{seed}:arrivals")
+    offsets, t = [], 0.0
+    for _ in range(n):
+        offsets.append(t)
+        t += rng.expovariate(rate)
+    return offsets
+
+
+def describe_error(exc: BaseException) -> str:
+    """One short line for an error, the same for every request that hit the same problem."""
+    if isinstance(exc, openai.APIStatusError):
+        body = exc.body if isinstance(exc.body, dict) else {}
+        text = f"HTTP {exc.status_code}: {body.get('message') or exc.message}"
+    elif isinstance(exc, openai.APIConnectionError):
+        text = f"{type(exc).__name__}: {exc.__cause__ or exc}"
+    else:
+        text = f"{type(exc).__name__}: {exc}"
+    return text[:300]
+
+
+def _carries_output(chunk, chat: bool) -> bool:
+    """A chunk that stands for generated tokens: any completions choice; for chat, any choice but
+    the opening one that only announces the assistant's role."""
+    if not chunk.choices:
+        return False
+    if not chat:
+        return True
+    choice = chunk.choices[0]
+    delta = choice.delta
+    return not (delta is not None and delta.role and not delta.content and choice.finish_reason is None)
+
+
+class Session:
+    """One benchmark run's client, clock and in-flight accounting."""
+
+    def __init__(self, cfg: ServeBenchConfig, client: openai.AsyncOpenAI, model: str) -> None:
+        self.cfg, self.client, self.model = cfg, client, model
+        self.t0 = time.perf_counter()
+        self.in_flight = 0
+        self.max_in_flight = 0
+
+    def now(self) -> float:
+        return time.perf_counter() - self.t0
+
+    async def _create(self, prompt: str, max_tokens: int):
+        common = dict(model=self.model, stream=True, stream_options={"include_usage": True}, temperature=0.0,
+                      extra_body={"ignore_eos": True})
+        if self.cfg.endpoint == "chat":
+            return await self.client.chat.completions.create(
+                messages=[{"role": "user", "content": prompt}], max_completion_tokens=max_tokens, **common)
+        return await self.client.completions.create(prompt=prompt, max_tokens=max_tokens, **common)
+
+    async def stream_one(self, prompt: str, max_tokens: int, record: RequestRecord) -> None:
+        """Send one streamed request, filling ``record``; errors end up in ``record.error``."""
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        record.start_s = self.now()
+        stream, finished = None, False
+        try:
+            stream = await self._create(prompt, max_tokens)
+            async for chunk in stream:
+                t = self.now()
+                if chunk.usage is not None:
+                    record.prompt_tokens = chunk.usage.prompt_tokens
+                    record.output_tokens = chunk.usage.completion_tokens
+                if _carries_output(chunk, self.cfg.endpoint == "chat"):
+                    record.chunk_s.append(t)
+                    finished = finished or chunk.choices[0].finish_reason is not None
+            if not finished:
+                raise RuntimeError("the stream ended without a finish reason")
+            record.end_s = self.now()
+        except Exception as exc:  # noqa: BLE001 - counted and reported, never raised
+            record.error = describe_error(exc)
+        finally:
+            self.in_flight -= 1
+            if stream is not None:
+                await stream.close()
+
+
+async def resolve_model(client: openai.AsyncOpenAI, model: str | None) -> tuple[str, str | None]:
+    """(model name, error): the given name, else the first id GET /models lists."""
+    if model is not None:
+        return model, None
+    try:
+        listed = await client.models.list()
+        return listed.data[0].id, None
+    except Exception as exc:  # noqa: BLE001 - the requests will fail and be counted
+        return "unknown", f"GET /models: {describe_error(exc)}"
+
+
+async def run_benchmark(cfg: ServeBenchConfig, http_client=None) -> dict:
+    """Run the benchmark and return its report. ``http_client``: an ``httpx.AsyncClient`` for the
+    ``openai`` client to use (tests instrument the transport with it)."""
+    from tqdm import tqdm
+
+    cfg.validate()
+    requests = text_workload(cfg.num_prompts, cfg.input_len, cfg.output_len, cfg.seed)
+    client = openai.AsyncOpenAI(base_url=cfg.base_url, api_key=cfg.api_key or "EMPTY", max_retries=0,
+                                timeout=cfg.timeout_s, http_client=http_client)
+    try:
+        model, model_error = await resolve_model(client, cfg.model)
+        warmup_errors = await _warmup(cfg, client, model)
+        records = [RequestRecord(i, r.num_words, r.output_len, scheduled_s=t)
+                   for i, (r, t) in enumerate(zip(requests, arrival_offsets(len(requests), cfg.request_rate, cfg.seed),
+                                                  strict=True))]
+        server_cpu0 = process_cpu_seconds(cfg.server_pid) if cfg.server_pid else None
+        with tqdm(total=len(records), desc="bench serve", unit="req", disable=not cfg.progress,
+                  file=sys.stderr) as bar, CpuClock() as clock:
+            session = Session(cfg, client, model)
+            slots = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
+
+            async def arrive(request: TextRequest, record: RequestRecord) -> None:
+                while (wait := record.scheduled_s - session.now()) > 0:  # never sent before it is due
+                    await asyncio.sleep(wait)
+                if slots is None:
+                    await session.stream_one(request.prompt, request.output_len, record)
+                else:
+                    async with slots:
+                        await session.stream_one(request.prompt, request.output_len, record)
+                bar.update(1)
+
+            await asyncio.gather(*(arrive(q, r) for q, r in zip(requests, records, strict=True)))
+            duration = session.now()
+        server_cpu = None
+        if server_cpu0 is not None:
+            used = process_cpu_seconds(cfg.server_pid) - server_cpu0
+            server_cpu = {"pid": cfg.server_pid, "cpu_s": round(used, 3), "cores_busy": round(used / duration, 3)}
+    finally:
+        await client.close()
+    return {"settings": cfg.settings(), "model": model, "model_error": model_error, "warmup_errors": warmup_errors,
+            "machine": machine_info(), **summarize(records, duration), "max_in_flight": session.max_in_flight,
+            "client_cpu": clock.result.as_dict(), "server_cpu": server_cpu,
+            "requests": [r.as_dict() for r in records]}
+
+
+async def _warmup(cfg: ServeBenchConfig, client: openai.AsyncOpenAI, model: str) -> list[str]:
+    """Short requests (their own prompts, so no prefix-cache hits for the timed ones), not measured."""
+    if not cfg.num_warmups:
+        return []
+    warm = text_workload(cfg.num_warmups, cfg.input_len, (16, 16), f"{cfg.seed}:warmup")
+    session = Session(cfg, client, model)
+    records = [RequestRecord(i, r.num_words, r.output_len) for i, r in enumerate(warm)]
+    await asyncio.gather(*(session.stream_one(r.prompt, r.output_len, rec) for r, rec in zip(warm, records,
+                                                                                             strict=True)))
+    return sorted({r.error for r in records if r.error})
+
+
+def run(cfg: ServeBenchConfig, http_client=None) -> dict:
+    return asyncio.run(run_benchmark(cfg, http_client))
+
+
+def _row(label: str, value) -> str:
+    return f"{label:<44}{'-' if value is None else value:>12}"
+
+
+def format_report(report: dict) -> str:
+    s = report["settings"]
+    lines = [f"{'=' * 16} Serving Benchmark Result {'=' * 16}",
+             f"{report['model']} at {s['base_url']} ({s['endpoint']}), {s['num_prompts']} prompts, input "
+             f"{s['input_len']} words, output {s['output_len']} tokens, rate {s['request_rate']}/s, "
+             f"max concurrency {s['max_concurrency'] or 'none'}",
+             _row("Successful requests:", report["completed"]),
+             _row("Failed requests:", report["failed"])]
+    lines += [f"  {n} x {err}" for err, n in report["errors"].items()]
+    for label, err in (("model", report["model_error"]), ("warmup", "; ".join(report["warmup_errors"]) or None)):
+        if err:
+            lines.append(f"  {label}: {err}")
+    cpu, server = report["client_cpu"], report["server_cpu"]
+    lines += [_row("Benchmark duration (s):", f"{report['duration_s']:.2f}"),
+              _row("Total input tokens:", report["total_input_tokens"]),
+              _row("Total generated tokens (usage):", report["total_output_tokens"]),
+              _row("Streamed output chunks:", report["streamed_chunks"]),
+              _row("Request throughput (req/s):", report["request_throughput"]),
+              _row("Output token throughput (tok/s):", report["output_throughput"]),
+              _row("Total token throughput (tok/s):", report["total_token_throughput"]),
+              _row("Most requests in flight:", report["max_in_flight"]),
+              _row("Load generator CPU (s / cores busy):", f"{cpu['process_s']:.2f} / {cpu['cores_busy']:.2f}")]
+    if server:
+        lines.append(_row("Server CPU (s / cores busy):", f"{server['cpu_s']:.2f} / {server['cores_busy']:.2f}"))
+    for key, name in (("ttft_ms", "Time to First Token"), ("tpot_ms", "Time per Output Token (excl. 1st)"),
+                      ("itl_ms", "Inter-token Latency"), ("e2e_ms", "End-to-end Latency")):
+        d = report[key]
+        lines.append(f"{name:-^58}")
+        for stat in ("mean", "p50", "p99"):
+            lines.append(_row(f"{stat.capitalize() if stat == 'mean' else stat.upper()} (ms):",
+                              None if d[stat] is None else f"{d[stat]:.2f}"))
+    lines.append("=" * 58)
+    return "\n".join(lines)
+
+
+def config_from_args(args) -> ServeBenchConfig:
+    from pagedllm.bench.workload import parse_range
+
+    return ServeBenchConfig(base_url=args.base_url, model=args.model, api_key=args.api_key, endpoint=args.endpoint,
+                            num_prompts=args.num_prompts, input_len=parse_range(args.input_len, "--input-len"),
+                            output_len=parse_range(args.output_len, "--output-len"), request_rate=args.request_rate,
+                            max_concurrency=args.max_concurrency, seed=args.seed, num_warmups=args.num_warmups,
+                            server_pid=args.server_pid, timeout_s=args.timeout, progress=not args.no_progress)
+
+
+def main(args) -> dict:
+    report = run(config_from_args(args))
+    print(format_report(report))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    return report
