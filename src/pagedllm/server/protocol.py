@@ -1,19 +1,23 @@
 """Request bodies of the OpenAI-compatible routes (pydantic), and their mapping onto ``SamplingParams``.
 
 Shapes follow the OpenAI API and vLLM's extensions (``top_k``, ``min_p``, ``repetition_penalty``,
-``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``cache_salt``, ...). Unknown fields are
+``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``cache_salt``, ``structured_outputs``, ...).
+``response_format`` (``json_object``, ``json_schema``) and vLLM's ``structured_outputs`` become a
+``StructuredOutputsParams`` (``json_schema`` is enforced whether ``strict`` or not). Unknown fields are
 ignored, as vLLM does, so clients that send newer OpenAI fields keep working. A value that
 ``SamplingParams`` rejects becomes a 400 naming the field (see ``server/errors.py``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pagedllm.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from pagedllm.engine.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 
+STRUCTURED_OUTPUTS_KEYS = frozenset(f.name for f in dataclasses.fields(StructuredOutputsParams))
 NonNegInt = Annotated[int, Field(ge=0)]
 MAX_N = 128  # most choices per request, as OpenAI
 
@@ -35,6 +39,18 @@ class JsonSchemaFormat(_Request):
 class ResponseFormat(_Request):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        """The engine's constraint for this format (None for ``text``). ``json_schema`` is always
+        enforced, ``strict`` or not (as vLLM does); raises ValueError naming the field."""
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if self.json_schema is None or self.json_schema.schema_ is None:
+            raise ValueError("response_format.json_schema.schema is required when response_format.type is "
+                             "'json_schema'")
+        return StructuredOutputsParams(json=self.json_schema.schema_)
 
 
 class SamplingFields(_Request):
@@ -61,6 +77,7 @@ class SamplingFields(_Request):
     stream_options: StreamOptions | None = None
     cache_salt: str | None = None
     response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None  # vLLM's extension: json / regex / choice / grammar / ...
     user: str | None = None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
@@ -74,7 +91,25 @@ class SamplingFields(_Request):
                               logit_bias=self.logit_bias, min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
                               skip_special_tokens=self.skip_special_tokens,
                               include_stop_str_in_output=self.include_stop_str_in_output, max_tokens=max_tokens,
-                              logprobs=logprobs, prompt_logprobs=prompt_logprobs, **optional)
+                              logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                              structured_outputs=self.constraint(), **optional)
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        """``response_format`` or vLLM's ``structured_outputs`` (not both) as the engine's constraint."""
+        if self.structured_outputs is not None:
+            if self.response_format is not None and self.response_format.type != "text":
+                raise ValueError("response_format and structured_outputs cannot both be given")
+            unknown = sorted(set(self.structured_outputs) - STRUCTURED_OUTPUTS_KEYS)
+            if unknown:
+                raise ValueError(f"structured_outputs: unknown key(s) {', '.join(unknown)}; expected some of "
+                                 f"{', '.join(sorted(STRUCTURED_OUTPUTS_KEYS))}")
+            return StructuredOutputsParams(**self.structured_outputs)
+        return None if self.response_format is None else self.response_format.constraint()
+
+    @property
+    def constraint_field(self) -> str:
+        """The request field a constraint came from (how errors about it are named)."""
+        return "structured_outputs" if self.structured_outputs is not None else "response_format"
 
     @property
     def include_usage(self) -> bool:

@@ -23,6 +23,7 @@ from fastapi import Request
 from pagedllm.engine.async_engine import AsyncEngine, RequestStream
 from pagedllm.engine.outputs import RequestOutput
 from pagedllm.engine.sampling_params import SamplingParams
+from pagedllm.errors import InvalidRequest
 from pagedllm.server.errors import OpenAIError
 from pagedllm.server.metrics import ServerMetrics
 
@@ -63,10 +64,30 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+_CONSTRAINT_NAMES = {"response_format": (("structured_outputs.json_object", "response_format"),
+                                          ("structured_outputs.json", "response_format.json_schema.schema"))}
+
+
+async def compile_constraint(ctx: ServerContext, params: SamplingParams, field: str) -> None:
+    """Compile a structured-output constraint on a worker thread (within the engine's time limit),
+    so the engine thread finds it compiled and never stalls the batch on it; a bad schema, regex or
+    grammar is a 400 naming ``field`` (``response_format`` or ``structured_outputs``)."""
+    if params.structured_outputs is None:
+        return
+    try:
+        await asyncio.to_thread(ctx.engine.engine.structured.compile, params.structured_outputs)
+    except (InvalidRequest, ValueError) as e:
+        message = str(e)
+        for old, new in _CONSTRAINT_NAMES.get(field, ()):
+            message = message.replace(old, new)
+        raise OpenAIError(400, message, field, "invalid_response_format") from None
+
+
 async def add_prompts(ctx: ServerContext, prompts: list, params: SamplingParams,
-                      request_id: str) -> list[RequestStream]:
+                      request_id: str, constraint_field: str = "response_format") -> list[RequestStream]:
     """Validate and queue one engine request per prompt: all of them, or none (the first error is
     raised, e.g. ``InvalidRequest`` -> 400, before any response starts)."""
+    await compile_constraint(ctx, params, constraint_field)
     streams: list[RequestStream] = []
     try:
         for i, p in enumerate(prompts):
