@@ -8,7 +8,10 @@ port="${1:-8001}"
 shift $(( $# > 0 ? 1 : 0 ))
 venv=.venv-peers
 model=.peers/SmolLM2-135M-Instruct
-XX
+if [ ! -x "$venv/bin/python" ] || [ ! -f "$model/config.json" ]; then
+  echo "peer_vllm.sh: $venv or $model is missing; run \`make peers\` first" >&2
+  exit 2
+fi
 iomp="$(find "$venv" -name libiomp5.so | head -n 1)"
 export LD_PRELOAD="$iomp"                          # vLLM's CPU build expects Intel's OpenMP preloaded
 export VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=0 VLLM_CPU_KVCACHE_SPACE=2

@@ -15,8 +15,8 @@ for each library in a fresh subprocess (so that memory figures are its own):
 - memory: the process's resident set after importing the library, after the tokenizer info, the
   compiled grammars and the batch of matchers, and its peak.
 
-A library that is not installed is skipped (``pip install --no-deps xgrammar==0.2.8 llguidance==1.9.1``
-brings both; the engine depends on one of them).
+A library that is not installed is skipped (``pip install --no-deps xgrammar==0.2.8
+apache-tvm-ffi==0.1.15.post2 llguidance==1.9.1`` brings both; the engine depends on llguidance).
 """
 
 from __future__ import annotations

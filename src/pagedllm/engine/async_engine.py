@@ -7,6 +7,13 @@ request's outputs on an ``asyncio.Queue`` of their own. Outputs are deltas
 output, so a long stream costs O(n). When no request is unfinished and no command is queued, the
 thread sleeps on a condition variable: an idle engine uses no CPU.
 
+Give ``AsyncEngine`` a factory (``AsyncEngine(lambda: Engine.from_options(...))``) and the engine
+is built on its own thread, so that thread is the first to run torch's OpenMP parallel regions in
+the process. Measured on 2 cores (torch 2.13 CPU, GNU OpenMP): once the main thread has run a
+parallel region, the same decode steps on another thread ran 40% slower with only ~1.2 cores busy,
+while an engine built and stepped on one background thread (the main thread never running a
+parallel op) matches the offline ``LLM`` on the main thread (``scripts/engine_thread_check.py``).
+
 Invariants: every request added through ``generate`` either yields a finished output, raises the
 error that rejected it, or is aborted when its consumer stops listening (a client that hung up),
 so its blocks are freed within one step. If ``Engine.step`` itself raises (a bug outside the
@@ -83,8 +90,10 @@ class RequestStream:
 class AsyncEngine:
     """Runs ``engine.step()`` on a background thread; ``generate`` streams a request's deltas."""
 
-    def __init__(self, engine: Engine, on_output: Callable[[RequestOutput], None] | None = None) -> None:
-        self.engine = engine
+    def __init__(self, engine: Engine | Callable[[], Engine],
+                 on_output: Callable[[RequestOutput], None] | None = None) -> None:
+        """``engine``: an ``Engine``, or a function that builds one, called on the engine thread
+        (its error, if any, is raised here)."""
         self.on_output = on_output          # called on the engine thread for every output (metrics)
         self._commands: deque[tuple[Callable[[], Any], concurrent.futures.Future]] = deque()
         self._wake = threading.Condition()
@@ -92,8 +101,11 @@ class AsyncEngine:
         self._stopping = False
         self.dead: BaseException | None = None
         self.num_unfinished = 0             # requests added and not yet finished (read from any thread)
-        self._thread = threading.Thread(target=self._loop, name="pagedllm-engine", daemon=True)
+        build = engine if callable(engine) and not isinstance(engine, Engine) else (lambda: engine)
+        built: concurrent.futures.Future = concurrent.futures.Future()
+        self._thread = threading.Thread(target=self._run, args=(build, built), name="pagedllm-engine", daemon=True)
         self._thread.start()
+        self.engine: Engine = built.result()  # waits for the build; re-raises its error
 
     # -- any thread ------------------------------------------------------------------------------
     @property
@@ -170,6 +182,16 @@ class AsyncEngine:
             stream.put(EngineShutdown("the server is shutting down; the request was aborted"))
         self._streams.clear()
         self.num_unfinished = 0
+
+    def _run(self, build: Callable[[], Engine], built: concurrent.futures.Future) -> None:
+        try:
+            engine = build()
+        except BaseException as exc:  # noqa: BLE001 - raised in the constructor
+            built.set_exception(exc)
+            return
+        self.engine = engine
+        built.set_result(engine)
+        self._loop()
 
     def _loop(self) -> None:
         try:

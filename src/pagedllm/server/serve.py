@@ -54,9 +54,10 @@ def serve(options: dict, host: str = "127.0.0.1", port: int = 8000, api_key: str
           served_model_name: str | None = None, max_queue: int = 1024, max_body_bytes: int | None = None,
           uvicorn_log_level: str = "warning") -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    engine = Engine.from_options(**options)
     metrics = ServerMetrics()
-    async_engine = AsyncEngine(engine, on_output=metrics.on_output)
+    # built on the engine thread: the main thread (uvicorn's) never runs a torch parallel region
+    async_engine = AsyncEngine(lambda: Engine.from_options(**options), on_output=metrics.on_output)
+    engine = async_engine.engine
     model_name = served_model_name or options.get("model") or engine.model_path.stem
     ctx = ServerContext(async_engine, model_name, max_queue, metrics,
                         api_key=api_key or os.environ.get("PAGEDLLM_API_KEY") or None)
