@@ -7,10 +7,14 @@
 #   A: `pagedllm bench serve-offline --max-concurrency C` (LLM.generate in-process, max_num_seqs C)
 #   B: `pagedllm bench serve --max-concurrency C` against the server (the load generator's and the
 #      server's CPU time measured apart)
+#   C: with PEER=1, the same `pagedllm bench serve` against vLLM's CPU server (scripts/peer_vllm.sh,
+#      after `make peers`; bf16, both cores), started next to ours and idle while the others run
 # Each (round, C) pair gets its own seed, so the server's prefix cache never holds a prompt twice.
-# Prints medians per C: output tok/s offline and served, the server's overhead, latencies, CPU.
+# Prints medians per C: output tok/s offline and served, the server's overhead, latencies, CPU,
+# and with PEER=1 vLLM's served tok/s and the ratio ours / vLLM's.
 # Usage: bash scripts/serve_bench.sh [ROUNDS] ["1 8 32 64"] [IDLE_SECONDS]
-#   env: INPUT (128), OUTPUT (128), SERVE_BENCH_DIR (where the JSON reports go; default a temp dir);
+#   env: INPUT (128), OUTPUT (128), SERVE_BENCH_DIR (where the JSON reports go; default a temp dir),
+#   PEER (0; 1 adds vLLM);
 #   OpenMP variables (OMP_WAIT_POLICY=passive, ...) reach the server and the offline runs alike.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -40,6 +44,25 @@ for _ in range(600):
 sys.exit("the server did not start")
 EOF
 echo "server pid $pid at port $port; reports in $work"
+peer_port=""
+if [ "${PEER:-0}" = 1 ]; then
+  peer_port=$("$py" -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
+  setsid bash scripts/peer_vllm.sh "$peer_port" > "$work/vllm.log" 2>&1 &
+  peer_pid=$!
+  trap 'kill "$pid" 2>/dev/null; kill -- -"$peer_pid" 2>/dev/null; wait 2>/dev/null || true' EXIT
+  "$py" - "$peer_port" <<'EOF'
+import sys, time, httpx
+for _ in range(1200):  # its first start compiles for minutes
+    try:
+        if httpx.get(f"http://127.0.0.1:{sys.argv[1]}/health", timeout=1).status_code == 200:
+            sys.exit(0)
+    except httpx.HTTPError:
+        pass
+    time.sleep(0.5)
+sys.exit("vLLM's server did not start (see vllm.log)")
+EOF
+  echo "vLLM's server at port $peer_port (pid $peer_pid)"
+fi
 sleep 5
 "$py" - "$pid" "$idle" "$work/idle.json" <<'EOF'
 import json, sys, time
@@ -62,8 +85,14 @@ for round in $(seq "$rounds"); do
     "$py" -m pagedllm.cli bench serve-offline "${common[@]}" --json "$work/A.$c.$round.json" > "$work/A.$c.$round.log" 2>&1
     "$py" -m pagedllm.cli bench serve "${common[@]}" --base-url "http://127.0.0.1:$port/v1" --server-pid "$pid" \
       --json "$work/B.$c.$round.json" > "$work/B.$c.$round.log" 2>&1
+    peer=""
+    if [ -n "$peer_port" ]; then
+      "$py" -m pagedllm.cli bench serve "${common[@]}" --base-url "http://127.0.0.1:$peer_port/v1" \
+        --json "$work/C.$c.$round.json" > "$work/C.$c.$round.log" 2>&1
+      peer="| C $(grep 'Output token throughput' "$work/C.$c.$round.log" | awk '{print $NF}') tok/s"
+    fi
     echo "round $round/$rounds, $c streams ($n prompts): A $(tail -c 60 "$work/A.$c.$round.log" | tr -d '\n')" \
-         "| B $(grep 'Output token throughput' "$work/B.$c.$round.log" | awk '{print $NF}') tok/s"
+         "| B $(grep 'Output token throughput' "$work/B.$c.$round.log" | awk '{print $NF}') tok/s $peer"
   done
 done
 
@@ -99,5 +128,15 @@ for c in concurrencies:
           f"{row['served_tok_s']:>8.1f} {str([round(x, 1) for x in tb]):>13} {100 * over:>8.1f}% "
           f"{row['ttft_p50_ms']:>9.0f} {row['tpot_p50_ms']:>9.1f} {row['itl_p99_ms']:>8.0f} "
           f"{row['client_cores']:>12.3f} {row['server_cores']:>12.3f} {row['offline_cores']:>13.3f}")
+    peer = load("C", c)
+    if peer:
+        assert all(r["failed"] == 0 and r["total_output_tokens"] == r["requested_output_tokens"] for r in peer)
+        tc = [r["output_throughput"] for r in peer]
+        row.update(vllm_tok_s=med(tc), vllm_runs=tc, ratio_to_vllm=med(y / z for y, z in zip(tb, tc, strict=True)),
+                   vllm_ttft_p50_ms=med(r["ttft_ms"]["p50"] for r in peer),
+                   vllm_tpot_p50_ms=med(r["tpot_ms"]["p50"] for r in peer))
+        print(f"{'':>7} vLLM served {row['vllm_tok_s']:.1f} tok/s {[round(x, 1) for x in tc]}, TTFT p50 "
+              f"{row['vllm_ttft_p50_ms']:.0f} ms, TPOT p50 {row['vllm_tpot_p50_ms']:.1f} ms; "
+              f"pagedllm / vLLM {row['ratio_to_vllm']:.2f}")
 json.dump(rows, open(work / "summary.json", "w"), indent=2)
 EOF
