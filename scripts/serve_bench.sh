@@ -26,23 +26,28 @@ output="${OUTPUT:-128}"
 py="$PWD/.venv/bin/python"
 work="${SERVE_BENCH_DIR:-$(mktemp -d)}"
 mkdir -p "$work"
+wait_healthy() {  # PORT SECONDS MESSAGE: until GET /health answers 200
+  "$py" - "$@" <<'EOF'
+import sys, time, httpx
+port, seconds, message = sys.argv[1], float(sys.argv[2]), sys.argv[3]
+deadline = time.monotonic() + seconds
+while time.monotonic() < deadline:
+    try:
+        if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+            sys.exit(0)
+    except httpx.HTTPError:
+        pass
+    time.sleep(0.5)
+sys.exit(message)
+EOF
+}
 num_prompts() { echo $(( $1 < 4 ? 4 : $1 )); }  # one wave of C requests; 4 one after the other for C = 1
 
 port=$("$py" -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
 "$py" -m pagedllm serve --dtype bfloat16 --port "$port" > "$work/server.log" 2>&1 &
 pid=$!
 trap 'kill "$pid" 2>/dev/null; wait "$pid" 2>/dev/null || true' EXIT
-"$py" - "$port" <<'EOF'
-import sys, time, httpx
-for _ in range(600):
-    try:
-        if httpx.get(f"http://127.0.0.1:{sys.argv[1]}/health", timeout=1).status_code == 200:
-            sys.exit(0)
-    except httpx.HTTPError:
-        pass
-    time.sleep(0.5)
-sys.exit("the server did not start")
-EOF
+wait_healthy "$port" 300 "the server did not start"
 echo "server pid $pid at port $port; reports in $work"
 peer_port=""
 if [ "${PEER:-0}" = 1 ]; then
@@ -50,17 +55,7 @@ if [ "${PEER:-0}" = 1 ]; then
   setsid bash scripts/peer_vllm.sh "$peer_port" > "$work/vllm.log" 2>&1 &
   peer_pid=$!
   trap 'kill "$pid" 2>/dev/null; kill -- -"$peer_pid" 2>/dev/null; wait 2>/dev/null || true' EXIT
-  "$py" - "$peer_port" <<'EOF'
-import sys, time, httpx
-for _ in range(1200):  # its first start compiles for minutes
-    try:
-        if httpx.get(f"http://127.0.0.1:{sys.argv[1]}/health", timeout=1).status_code == 200:
-            sys.exit(0)
-    except httpx.HTTPError:
-        pass
-    time.sleep(0.5)
-sys.exit("vLLM's server did not start (see vllm.log)")
-EOF
+  wait_healthy "$peer_port" 600 "vLLM's server did not start (see $work/vllm.log)"  # its first start compiles
   echo "vLLM's server at port $peer_port (pid $peer_pid)"
 fi
 sleep 5
@@ -122,12 +117,16 @@ for c in concurrencies:
            "client_cores": med(r["client_cpu"]["cores_busy"] for r in b),
            "server_cores": med(r["server_cpu"]["cores_busy"] for r in b),
            "offline_cores": med(r["process_cpu"]["cores_busy"] for r in a),
-           "load_average_1m": [r["machine"]["load_average_1m"] for r in a + b]}
+           "load_average_1m": [r["machine"]["load_average_1m"] for r in a + b],
+           # the hypervisor's steal from the machine during each run (other tenants): A runs, B runs
+           "steal_s": [[r["process_cpu"].get("machine_steal_s") for r in a],
+                       [r["client_cpu"].get("machine_steal_s") for r in b]]}
     rows[c] = row
     print(f"{c:>7} {row['offline_tok_s']:>8.1f} {str([round(x, 1) for x in ta]):>13} "
           f"{row['served_tok_s']:>8.1f} {str([round(x, 1) for x in tb]):>13} {100 * over:>8.1f}% "
           f"{row['ttft_p50_ms']:>9.0f} {row['tpot_p50_ms']:>9.1f} {row['itl_p99_ms']:>8.0f} "
-          f"{row['client_cores']:>12.3f} {row['server_cores']:>12.3f} {row['offline_cores']:>13.3f}")
+          f"{row['client_cores']:>12.3f} {row['server_cores']:>12.3f} {row['offline_cores']:>13.3f}  "
+          f"steal s {row['steal_s']}")
     peer = load("C", c)
     if peer:
         assert all(r["failed"] == 0 and r["total_output_tokens"] == r["requested_output_tokens"] for r in peer)

@@ -71,3 +71,5 @@ def test_cpu_time_readers():
     assert clock.result.process_s >= 0.2 and clock.result.user_s + clock.result.system_s >= 0.15
     assert process_cpu_seconds(os.getpid()) - before >= 0.15  # /proc counts in clock ticks
     assert clock.result.as_dict()["cores_busy"] > 0
+    steal = clock.result.as_dict()["machine_steal_s"]
+    assert steal is None or steal >= 0

@@ -3,7 +3,9 @@
 ``machine_info()`` names the CPU (model name and the avx512*/amx* flags from /proc/cpuinfo, the
 core count); ``process_cpu_seconds(pid)`` reads another process's user + system CPU time from
 /proc/<pid>/stat, and ``CpuClock`` measures this process's own CPU time over a stretch of code, so
-a report can separate a load generator's share of the cores from the server's.
+a report can separate a load generator's share of the cores from the server's; it also records
+the hypervisor's steal time over the stretch (``machine_steal_seconds``), so a slow run on a
+shared machine says why.
 """
 
 from __future__ import annotations
@@ -52,6 +54,18 @@ def process_cpu_seconds(pid: int) -> float:
     return (utime + stime) / os.sysconf("SC_CLK_TCK")
 
 
+def machine_steal_seconds() -> float | None:
+    """CPU seconds the hypervisor has taken from this machine's cores so far (``steal`` in
+    /proc/stat, all cores together), or None where it is not reported: other tenants' share of a
+    shared machine, which slows whatever runs here then."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+        return int(fields[8]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 @dataclass
 class CpuTime:
     """CPU seconds this process used over a stretch of wall time."""
@@ -60,13 +74,15 @@ class CpuTime:
     process_s: float  # time.process_time(): user + system, all threads
     user_s: float     # getrusage(RUSAGE_SELF)
     system_s: float
+    steal_s: float | None = None  # the hypervisor's steal from the whole machine over the same time
 
     def as_dict(self) -> dict:
         cores = os.cpu_count() or 1
         return {"wall_s": round(self.wall_s, 3), "process_s": round(self.process_s, 3),
                 "user_s": round(self.user_s, 3), "system_s": round(self.system_s, 3),
                 "cores_busy": round(self.process_s / self.wall_s, 3) if self.wall_s > 0 else None,
-                "share_of_machine": round(self.process_s / self.wall_s / cores, 4) if self.wall_s > 0 else None}
+                "share_of_machine": round(self.process_s / self.wall_s / cores, 4) if self.wall_s > 0 else None,
+                "machine_steal_s": None if self.steal_s is None else round(self.steal_s, 3)}
 
 
 class CpuClock:
@@ -75,9 +91,12 @@ class CpuClock:
     def __enter__(self) -> CpuClock:
         self._wall, self._proc = time.perf_counter(), time.process_time()
         self._usage = resource.getrusage(resource.RUSAGE_SELF)
+        self._steal = machine_steal_seconds()
         return self
 
     def __exit__(self, *exc) -> None:
         usage = resource.getrusage(resource.RUSAGE_SELF)
+        steal = machine_steal_seconds()
         self.result = CpuTime(time.perf_counter() - self._wall, time.process_time() - self._proc,
-                              usage.ru_utime - self._usage.ru_utime, usage.ru_stime - self._usage.ru_stime)
+                              usage.ru_utime - self._usage.ru_utime, usage.ru_stime - self._usage.ru_stime,
+                              None if steal is None or self._steal is None else steal - self._steal)

@@ -16,18 +16,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-
-def _timed(obj, name: str, bucket: list[float]) -> None:
-    fn = getattr(obj, name)
-
-    def wrapper(*args, **kwargs):
-        t0 = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            bucket[0] += time.perf_counter() - t0
-
-    setattr(obj, name, wrapper)
+from pagedllm.bench.timers import time_calls
 
 
 def main(args) -> dict:
@@ -48,12 +37,12 @@ def main(args) -> dict:
         engine.step()
     attention, cpp_matmul, cpp_other = [0.0], [0.0], [0.0]
     backend = engine.runner.backend
-    _timed(backend, "rope_store_attend" if backend.fuses_rope else "store_and_attend", attention)
+    time_calls(backend, "rope_store_attend" if backend.fuses_rope else "store_and_attend", attention)
     layer_ops = engine.runner.model.layer_ops
     if hasattr(layer_ops, "q8_0_linear"):  # C++ ops: invisible to the torch profiler, so timed here
-        _timed(layer_ops, "q8_0_linear", cpp_matmul)
+        time_calls(layer_ops, "q8_0_linear", cpp_matmul)
         for name in ("rms_norm", "add_rms_norm", "silu_mul"):
-            _timed(layer_ops, name, cpp_other)
+            time_calls(layer_ops, name, cpp_other)
     t0 = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(args.steps):

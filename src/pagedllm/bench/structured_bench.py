@@ -25,18 +25,7 @@ import json
 import statistics
 import time
 
-
-def _timed(obj, name: str, bucket: list[float]) -> None:
-    fn = getattr(obj, name)
-
-    def wrapper(*args, **kwargs):
-        t0 = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            bucket[0] += time.perf_counter() - t0
-
-    setattr(obj, name, wrapper)
+from pagedllm.bench.timers import time_calls
 
 
 def _run(engine, free: list[tuple[list[int], object]], extras, num_extra: int) -> dict:
@@ -108,9 +97,9 @@ def main(args) -> dict:
             structured_outputs=StructuredOutputsParams(json=SCHEMAS[kinds[k % len(kinds)]]))
 
     grammar = [0.0]  # seconds in grammar work, constrained runs only
-    _timed(engine.structured, "bitmask", grammar)
-    _timed(engine.structured, "accept", grammar)
-    _timed(engine.runner.sampler, "_apply_grammar", grammar)
+    time_calls(engine.structured, "bitmask", grammar)
+    time_calls(engine.structured, "accept", grammar)
+    time_calls(engine.runner.sampler, "_apply_grammar", grammar)
     warm = _run(engine, free[:2], constrained, args.constrained)  # tokenizer info, compiles, kernels
     lengths = warm["extra_lengths"]
 
