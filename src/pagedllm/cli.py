@@ -329,6 +329,17 @@ def make_parser() -> argparse.ArgumentParser:
                     help="requests per second, Poisson arrivals (default inf: all at once)")
     sv.add_argument("--server-pid", type=int, default=None, help="also report this local process's CPU time")
     sv.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    pe = bench_parser("peers", "pagedllm against vLLM's CPU build, offline, same prompts, alternating runs", "peers")
+    pe.add_argument("--concurrency", default="1,8,32,64", help="decode workloads: concurrent requests, comma-separated")
+    pe.add_argument("--prefill", default="32x128,64x128,32x512,8x1024,4x2048",
+                    help="prefill workloads: NxL (N prompts of L tokens, max_tokens 1), comma-separated")
+    pe.add_argument("--input-len", type=int, default=128, help="prompt tokens of the decode workloads")
+    pe.add_argument("--output-len", type=int, default=128, help="new tokens of the decode workloads")
+    pe.add_argument("--rounds", type=int, default=3)
+    pe.add_argument("--peer-python", default=".venv-peers/bin/python", help="the peer venv's Python (make peers)")
+    pe.add_argument("--peer-model", default=".peers/SmolLM2-135M-Instruct", help="the HF folder make peers writes")
+    pe.add_argument("--peer-worker", default=None, help=argparse.SUPPRESS)  # tests: a stand-in worker script
+    pe.add_argument("--no-progress", action="store_true")
     off = bench_parser("serve-offline", "the bench serve workload through LLM.generate in-process (the server's "
                       "baseline)", "serve_offline")
     serve_workload_args(off)

@@ -1,0 +1,78 @@
+"""``pagedllm bench peers`` on a tiny model: without the peer venv (the vLLM part is skipped, saying
+how to get it) and against a stand-in worker that speaks the vLLM worker's protocol (jobs are the
+same prompts pagedllm ran, in alternating order, and the ratios are the medians' ratios). The real
+vLLM comparison needs `make peers` and is not part of `make test`."""
+
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+
+import pytest
+
+from pagedllm.bench.peers import parse_workloads
+from pagedllm.cli import main as cli_main
+from tests.conftest import make_tiny_checkpoint
+
+STAND_IN = textwrap.dedent('''
+    import json, sys, time
+    log = open(sys.argv[1] + "/jobs.jsonl", "w")
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        job = json.loads(line)
+        log.write(line); log.flush()
+        n = sum(job["max_tokens"])
+        time.sleep(0.01 * len(job["prompts"]))
+        print(json.dumps({"seconds": 0.01 * len(job["prompts"]), "output_tokens": n,
+                          "prompt_tokens": sum(len(p) for p in job["prompts"])}), flush=True)
+''')
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("peers") / "tiny", "llama", seed=4)
+
+
+COMMON = ["--concurrency", "1,3", "--prefill", "2x12", "--input-len", "8", "--output-len", "3", "--rounds", "2",
+          "--dtype", "float32", "--no-progress", "--seed", "5"]
+
+
+def test_without_the_peer_venv_the_vllm_part_is_skipped(tiny, tmp_path, capsys):
+    out = tmp_path / "peers.json"
+    assert cli_main(["bench", "peers", "--model", tiny, *COMMON, "--peer-python", str(tmp_path / "missing"),
+                     "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert "make peers" in report["vllm_skipped"] and "make peers" in capsys.readouterr().err
+    assert [w["name"] for w in report["workloads"]] == ["decode x1", "decode x3", "prefill 2x12"]
+    for w, (n, prompt_len, max_tokens) in zip(report["workloads"], [(1, 8, 3), (3, 8, 3), (2, 12, 1)], strict=True):
+        assert w["vllm"] is None and w["ratio"] is None and len(w["pagedllm_runs"]) == 2
+        for run in w["runs"]["pagedllm"]:
+            assert run["output_tokens"] == n * max_tokens and run["prompt_tokens"] == n * prompt_len
+        tokens = n * (prompt_len if max_tokens == 1 else max_tokens)
+        assert w["pagedllm_runs"] == [pytest.approx(tokens / r["seconds"]) for r in w["runs"]["pagedllm"]]
+
+
+def test_a_peer_gets_the_same_prompts_and_ratios_are_of_medians(tiny, tmp_path):
+    worker = tmp_path / "stand_in.py"
+    worker.write_text(STAND_IN)
+    out = tmp_path / "peers.json"
+    assert cli_main(["bench", "peers", "--model", tiny, *COMMON, "--peer-python", sys.executable,
+                     "--peer-model", str(tmp_path), "--peer-worker", str(worker), "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    jobs = [json.loads(line) for line in (tmp_path / "jobs.jsonl").read_text().splitlines()]
+    assert len(jobs) == 1 + 2 * 3  # a warm-up, then every workload in every round
+    sizes = [(len(j["prompts"]), len(j["prompts"][0]), j["max_tokens"][0]) for j in jobs[1:]]
+    assert sizes == [(1, 8, 3), (3, 8, 3), (2, 12, 1)] * 2
+    assert jobs[1]["prompts"] != jobs[4]["prompts"]  # fresh prompts each round: no prefix-cache hits
+    for w in report["workloads"]:
+        assert len(w["vllm_runs"]) == 2
+        assert w["ratio"] == pytest.approx(w["pagedllm"] / w["vllm"])
+        assert w["vllm"] == pytest.approx(sorted(w["vllm_runs"])[0] / 2 + sorted(w["vllm_runs"])[1] / 2)
+
+
+@pytest.mark.parametrize("concurrency, prefill, message", [("0", "", "--concurrency"), ("", "32", "--prefill"),
+                                                           ("", "", "no workloads")])
+def test_bad_workloads_are_named(concurrency, prefill, message):
+    with pytest.raises(ValueError, match=message):
+        parse_workloads(concurrency, prefill, 8, 8)
