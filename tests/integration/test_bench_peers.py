@@ -76,3 +76,7 @@ def test_a_peer_gets_the_same_prompts_and_ratios_are_of_medians(tiny, tmp_path):
 def test_bad_workloads_are_named(concurrency, prefill, message):
     with pytest.raises(ValueError, match=message):
         parse_workloads(concurrency, prefill, 8, 8)
+
+
+def test_a_workload_given_twice_runs_once():
+    assert [w.name for w in parse_workloads("1,8,1", "2x4,2x4", 8, 8)] == ["decode x1", "decode x8", "prefill 2x4"]

@@ -12,18 +12,22 @@ runs under ``if __name__ == "__main__"``.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
 
 def main() -> None:
     model, dtype, max_num_seqs = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    # the protocol keeps stdout to itself: everything else written to fd 1 (vLLM's logs and
+    # prints, its engine processes, which inherit the fd) goes to stderr
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     llm = LLM(model=model, dtype=dtype, max_num_seqs=max_num_seqs, seed=0)  # defaults otherwise, as a user would
-    out = sys.stdout
-    sys.stdout = sys.stderr  # vLLM's own prints must not mix with the protocol
     out.write(json.dumps({"ready": True}) + "\n")
     out.flush()
     for line in sys.stdin:

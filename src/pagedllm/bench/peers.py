@@ -7,7 +7,8 @@ prefix-cache hits): *decode* ``C`` concurrent requests of ``--input-len`` prompt
 
 pagedllm runs in this process (one ``LLM``); vLLM runs in one long-lived worker under the peer
 venv's Python (``bench/peer_vllm_worker.py``, from ``make peers``), so its start-up compile happens
-once and only warm runs count. Each engine first runs one untimed warm-up job; then for every
+once and only warm runs count. Between its jobs the worker's process group is paused (SIGSTOP),
+so an idle vLLM takes no CPU from pagedllm's runs. Each engine first runs one untimed warm-up job; then for every
 round and workload the two run back to back (pagedllm, then vLLM), and the report gives medians
 over rounds and the ratio pagedllm / vLLM of the medians. Without the peer venv the vLLM part is
 skipped with a message saying how to get it.
@@ -18,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 import statistics
 import subprocess
 import sys
@@ -51,12 +53,12 @@ class Workload:
 
 def parse_workloads(concurrency: str, prefill: str, input_len: int, output_len: int) -> list[Workload]:
     """``"1,8"`` and ``"32x128,8x1024"`` -> workloads (raises ValueError naming a bad item)."""
-    out = []
-    for item in filter(None, (s.strip() for s in concurrency.split(","))):
+    out: list[Workload] = []
+    for item in dict.fromkeys(filter(None, (s.strip() for s in concurrency.split(",")))):  # each once
         if not item.isdigit() or int(item) < 1:
             raise ValueError(f"--concurrency: {item!r} is not a positive count")
         out.append(Workload(f"decode x{item}", int(item), input_len, output_len))
-    for item in filter(None, (s.strip() for s in prefill.split(","))):
+    for item in dict.fromkeys(filter(None, (s.strip() for s in prefill.split(",")))):
         n, _, length = item.partition("x")
         if not (n.isdigit() and length.isdigit() and int(n) > 0 and int(length) > 0):
             raise ValueError(f"--prefill: {item!r} is not NxL (e.g. 32x128)")
@@ -77,11 +79,20 @@ class PeerWorker:
             env["LD_PRELOAD"] = str(iomp[0])  # vLLM's CPU build expects Intel's OpenMP preloaded
         self.log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"pagedllm-peer-vllm-{os.getpid()}.log", "w")  # noqa: SIM115
         self.proc = subprocess.Popen([python, str(worker), model, dtype, str(max_num_seqs)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self.log, text=True, env=env)
+                                     stdout=subprocess.PIPE, stderr=self.log, text=True, env=env,
+                                     start_new_session=True)  # its own process group, to pause it whole
         self.timeout_s = timeout_s
         ready = self._read()
         if not ready.get("ready"):
             raise RuntimeError(f"the vLLM worker did not start: {ready}")
+        self._signal(signal.SIGSTOP)
+
+    def _signal(self, sig: int) -> None:
+        """Pause (SIGSTOP) or resume (SIGCONT) the worker and the engine processes it spawned: a
+        paused peer takes no CPU while pagedllm runs (its OpenMP threads and engine loop may
+        spin or poll when idle), so each engine has the cores to itself during its own runs."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, sig)
 
     def _read(self) -> dict:
         line = self.proc.stdout.readline()
@@ -91,12 +102,17 @@ class PeerWorker:
         return json.loads(line)
 
     def run(self, prompts: list[list[int]], max_tokens: int) -> dict:
-        self.proc.stdin.write(json.dumps({"prompts": prompts, "max_tokens": [max_tokens] * len(prompts)}) + "\n")
-        self.proc.stdin.flush()
-        return self._read()
+        self._signal(signal.SIGCONT)
+        try:
+            self.proc.stdin.write(json.dumps({"prompts": prompts, "max_tokens": [max_tokens] * len(prompts)}) + "\n")
+            self.proc.stdin.flush()
+            return self._read()
+        finally:
+            self._signal(signal.SIGSTOP)
 
     def close(self) -> None:
         if self.proc.poll() is None:
+            self._signal(signal.SIGCONT)
             self.proc.stdin.close()
             try:
                 self.proc.wait(60)
