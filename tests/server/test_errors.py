@@ -195,3 +195,15 @@ def test_random_constraints_never_give_a_500(tiny_app, route, constraint):
     if r.status_code == 400:
         assert_openai_error(r, 400)
         assert r.json()["error"]["param"].split(".")[0] in constraint, r.text
+
+
+def test_a_constraint_the_vocabulary_cannot_meet_is_a_400(tiny_app):
+    """A regex of a character whose bytes no single step can complete: llguidance rejects the token
+    the mask let through; that is the request's constraint, so a 400, and the engine goes on."""
+    client, _ = tiny_app
+    for route, base in (("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT)):
+        r = client.post(route, json={**base, "structured_outputs": {"regex": "\U00040000"}, "max_tokens": 2})
+        assert r.status_code in (200, 400), r.text
+        if r.status_code == 400:
+            assert r.json()["error"]["code"] == "invalid_response_format"
+    assert client.post("/v1/completions", json={**COMPLETION, "max_tokens": 2}).status_code == 200

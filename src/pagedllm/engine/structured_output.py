@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from pagedllm.engine.scheduler import SchedulerOutput
     from pagedllm.models.tokenizer import Tokenizer
 
+GRAMMAR_REJECTED = "structured output: the grammar rejected token"  # starts RequestOutput.error then
 COMPILE_TIMEOUT_S = 10.0  # default limit on compiling one request's grammar (Engine.structured.compile_timeout)
 GRAMMAR_CACHE_SIZE = 64   # compiled grammars kept (least recently used dropped first)
 
@@ -245,7 +246,7 @@ class StructuredOutputManager:
         """Feed a sequence's newly sampled token to its matcher."""
         matcher = self._matchers[sequence_id]
         if not matcher.consume_token(token):
-            return AcceptResult(False, f"structured output: the grammar rejected token {token}: "
+            return AcceptResult(False, f"{GRAMMAR_REJECTED} {token}: "
                                        f"{matcher.get_error() or 'not allowed here'}")
         return AcceptResult(matcher.is_stopped(), None)
 

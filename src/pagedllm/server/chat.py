@@ -60,7 +60,7 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     ctx.check_capacity(1)
     request_id = new_id("chatcmpl")
     outputs = merge(await add_prompts(ctx, [{"prompt_token_ids": prompt_ids, **_salt(req)}], params, request_id,
-                                   req.constraint_field))
+                                   req.constraint_field), req.constraint_field)
     head = {"id": request_id, "object": "chat.completion", "created": ctx.created, "model": ctx.model_name}
     if req.stream:
         return StreamingResponse(_stream(req, outputs, {**head, "object": "chat.completion.chunk"}, top),

@@ -74,7 +74,8 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Req
                                  prompt_logprobs=req.logprobs if req.echo and want_logprobs else None)
     ctx.check_capacity(len(prompts))
     request_id = new_id("cmpl")
-    outputs = merge(await add_prompts(ctx, prompts, params, request_id, req.constraint_field))  # bad: 400
+    field = req.constraint_field
+    outputs = merge(await add_prompts(ctx, prompts, params, request_id, field), field)  # bad: 400
     head = {"id": request_id, "object": "text_completion", "created": ctx.created, "model": ctx.model_name}
     if req.stream:
         return StreamingResponse(_stream(ctx, req, outputs, head, want_logprobs), media_type="text/event-stream")

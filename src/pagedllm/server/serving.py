@@ -23,6 +23,7 @@ from fastapi import Request
 from pagedllm.engine.async_engine import AsyncEngine, RequestStream
 from pagedllm.engine.outputs import RequestOutput
 from pagedllm.engine.sampling_params import SamplingParams
+from pagedllm.engine.structured_output import GRAMMAR_REJECTED
 from pagedllm.errors import InvalidRequest
 from pagedllm.server.errors import OpenAIError
 from pagedllm.server.metrics import ServerMetrics
@@ -99,7 +100,8 @@ async def add_prompts(ctx: ServerContext, prompts: list, params: SamplingParams,
     return streams
 
 
-async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def merge(streams: list[RequestStream],
+                constraint_field: str = "response_format") -> AsyncIterator[tuple[int, RequestOutput]]:
     """(prompt index, delta output) from every stream, in arrival order, until all have finished.
     A failed engine step raises ``OpenAIError(500)``. Closing it early aborts what still runs."""
     queue: asyncio.Queue = asyncio.Queue()
@@ -121,6 +123,9 @@ async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reques
             if item.finished:
                 remaining -= 1
             if item.error is not None:
+                if item.error.startswith(GRAMMAR_REJECTED):  # the request's constraint, not the server
+                    raise OpenAIError(400, f"{item.error.splitlines()[0]} (the constraint cannot be met with "
+                                      "this model's tokens)", constraint_field, "invalid_response_format")
                 raise OpenAIError(500, item.error, code="engine_step_failed")
             yield i, item
     finally:
