@@ -110,10 +110,11 @@ def test_fused_rope_store_attend_equals_the_unfused_path(backend, dtype):
         torch.testing.assert_close(unfused.float(), fused.float(), atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [48, 64, 128])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compiled_head_dims_match_dense(monkeypatch, head_dim, dtype):
-    """Head dims 64 and 128 take the vector-register path compiled for them (32 above is generic)."""
+    """Head dims 32 (the tests above), 64 and 128 take the paths compiled for them: decode rows by
+    dot products, prefill tiles of 8+ rows by register-tiled small GEMMs; 48 is the generic loop."""
     import tests.unit.test_reference_attention as tra
 
     monkeypatch.setattr(tra, "HEAD_DIM", head_dim)

@@ -132,6 +132,28 @@ def test_onednn_prepacked_linear_is_identical_to_f_linear_in_bf16(bias):
             assert torch.equal(lin(x), torch.nn.functional.linear(x, dense_weight, expected_bias))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_float32_compute_of_a_half_precision_linear_rounds_the_float32_product_once(dtype, bias):
+    """The path for CPUs without native bf16/fp16 GEMMs, tested on every CPU: weights widened to
+    float32 and packed, output in the model dtype, equal to the float32 product rounded once
+    (up to the order of the float32 sum, which may move a rare last bit)."""
+    torch.manual_seed(0)
+    lin = Linear(192, 320, bias=bias).to(dtype)
+    weight = lin.weight.detach().float()
+    bias32 = None if lin.bias is None else lin.bias.detach().float()
+    assert lin.prepack(torch.float32) and lin.weight is None and lin.widen == torch.float32
+    for rows in (1, 7, 64, 300):
+        x = torch.randn(rows, 192, generator=torch.Generator().manual_seed(rows)).to(dtype)
+        with torch.no_grad():
+            y = lin(x)
+        exact = torch.nn.functional.linear(x.float(), weight, bias32)
+        assert y.dtype == dtype
+        torch.testing.assert_close(y.float(), exact, rtol=2**-8 if dtype == torch.bfloat16 else 2**-10, atol=1e-3)
+        # fp16's finer last bit sits closer to the sum's order noise: more (still rare) flips
+        assert (y != exact.to(dtype)).float().mean() < (5e-3 if dtype == torch.bfloat16 else 2e-2)
+
+
 def test_float32_weights_are_not_prepacked():
     lin = Linear(64, 64)
     assert not lin.prepack() and lin.packed is None and lin.weight is not None

@@ -37,4 +37,37 @@ inline float exp_poly(float x) {
   return p * scale;
 }
 
+typedef int32_t v16i __attribute__((vector_size(64), aligned(4)));
+
+// exp_poly on 16 lanes at once, lane for lane the same result (same clamp, floor and polynomial).
+inline v16 exp_poly16(v16 x) {
+  x = x < -87.0f ? v16{} - 87.0f : x;
+  x = x > 88.0f ? v16{} + 88.0f : x;
+  const v16 t = x * 1.44269504088896341f + 0.5f;
+  const v16 truncated = __builtin_convertvector(__builtin_convertvector(t, v16i), v16);
+  const v16 n = truncated > t ? truncated - 1.0f : truncated;  // floor
+  const v16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  v16 p = v16{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const v16i bits = (__builtin_convertvector(n, v16i) + 127) << 23;
+  v16 scale;
+  __builtin_memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+inline float hmax(v16 x) {
+  v8 a = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7);
+  v8 b = __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
+  a = a > b ? a : b;
+  v4 c = __builtin_shufflevector(a, a, 0, 1, 2, 3), e = __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  c = c > e ? c : e;
+  const float m01 = c[0] > c[1] ? c[0] : c[1], m23 = c[2] > c[3] ? c[2] : c[3];
+  return m01 > m23 ? m01 : m23;
+}
+
 }  // namespace pagedllm_cpu

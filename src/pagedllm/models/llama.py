@@ -102,11 +102,12 @@ class LlamaForCausalLM(nn.Module):
         """Logits [rows, vocab] computed in the model dtype (as HF does), returned as float32."""
         return self.lm_head.forward(hidden).float()
 
-    def prepack_weights(self) -> int:
-        """oneDNN layouts for every projection and the LM head where results stay identical
-        (bfloat16 on CPU, see ``Linear.prepack``); returns how many were packed. A tied head drops
-        only its own reference: the embedding keeps the dense table for lookups."""
-        return sum(m.prepack() for m in self.modules() if isinstance(m, Linear))
+    def prepack_weights(self, compute_dtype: torch.dtype | None = None) -> int:
+        """oneDNN layouts for every projection and the LM head (see ``Linear.prepack``): by default
+        where results stay identical (bfloat16 on CPU); ``compute_dtype=float32`` makes bf16/fp16
+        GEMMs compute in float32. Returns how many were packed. A tied head drops only its own
+        reference: the embedding keeps the dense table for lookups."""
+        return sum(m.prepack(compute_dtype) for m in self.modules() if isinstance(m, Linear))
 
     def use_gguf_quantized(self, quantized: dict[str, BlockQuantized], max_rows: int = DEFAULT_MAX_ROWS) -> int:
         """Attach small-batch kernels over GGUF blocks (HF-named, as the loader gives them) to every

@@ -23,6 +23,7 @@ import torch
 
 from pagedllm.cache_dir import cache_dir
 from pagedllm.config import ModelConfig, RopeScaling
+from pagedllm.cpu_features import native_bf16
 from pagedllm.errors import ModelLoadError
 from pagedllm.models.gguf_quant import SUPPORTED as KEPT_QUANT_TYPES
 from pagedllm.models.gguf_quant import BlockQuantized, decode_blocks
@@ -65,11 +66,7 @@ def resolve_dtype(dtype: str, device: str) -> str:
         return dtype
     if device.startswith("cuda"):
         return "bfloat16"
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return "float32"
-    return "bfloat16" if ("avx512_bf16" in flags or "amx_bf16" in flags) else "float32"
+    return "bfloat16" if native_bf16() else "float32"
 
 
 @dataclass

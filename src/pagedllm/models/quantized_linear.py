@@ -15,7 +15,10 @@ Both copies hold the same GGUF weights, so the two paths differ only by rounding
 kernels would; float32 engines keep ``quantization="none"`` by default for exact HF parity.
 
 The dense weight itself is kept, in bfloat16 on CPU, in oneDNN's blocked layout (``prepack``):
-the same results as ``F.linear``, without oneDNN reordering the weight on every call.
+the same results as ``F.linear``, without oneDNN reordering the weight on every call. On a CPU
+without native bf16 dot products (``cpu_features.matmul_dtype``) the packed weight is float32
+instead: activations are widened (exact), multiplied in float32 and the result rounded back once,
+3-4x faster there than oneDNN's emulated bf16 GEMM.
 """
 
 from __future__ import annotations
@@ -68,12 +71,17 @@ def quantized_matmul(weight: BlockQuantized, dtype: torch.dtype, layer_ops):
     return None
 
 
-def prepack_for_onednn(weight: torch.Tensor) -> torch.Tensor | None:
+def prepack_for_onednn(weight: torch.Tensor, compute_dtype: torch.dtype | None = None) -> torch.Tensor | None:
     """``weight`` [N, K] in oneDNN's blocked layout for ``onednn_linear``, or None where that does
-    not apply. Only bfloat16 on CPU: there ``F.linear`` already runs oneDNN, so the results are
+    not apply. bfloat16 on CPU: there ``F.linear`` already runs oneDNN, so the results are
     identical (tested) and only the per-call weight reordering goes away (10-20% of each matmul
-    at 1-64 rows, measured in docs/benchmarks.md); float32 keeps MKL's sgemm, as HF does."""
-    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
+    at 1-64 rows, measured in docs/benchmarks.md); float32 weights keep MKL's sgemm, as HF does.
+    ``compute_dtype=float32`` packs a bf16/fp16 weight widened to float32 (see ``Linear.prepack``)."""
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return None
+    if compute_dtype == torch.float32 and weight.dtype in (torch.bfloat16, torch.float16):
+        weight = weight.float()
+    elif weight.dtype != torch.bfloat16:
         return None
     try:
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 64)  # 64: the batch it is tuned for
@@ -93,17 +101,28 @@ class Linear(nn.Linear):
     small_batch_bias = None  # a plain tensor (not a Parameter): read without nn.Module's __getattr__
     max_rows = 0
     packed = None            # oneDNN layout of the dense weight; the dense Parameter is dropped then
+    packed_bias = None       # the bias in the packed weight's dtype
+    widen = None             # float32 when the packed weight computes in float32 for a bf16/fp16 model
 
     def use_quantized(self, kernel, max_rows: int = DEFAULT_MAX_ROWS) -> None:
         self.small_batch, self.max_rows = kernel, max_rows
         self.small_batch_bias = None if self.bias is None else self.bias.detach()
 
-    def prepack(self) -> bool:
-        """Keep the weight only in oneDNN's layout where that gives identical results; True if done."""
-        packed = prepack_for_onednn(self.weight)
+    def prepack(self, compute_dtype: torch.dtype | None = None) -> bool:
+        """Keep the weight only in oneDNN's layout; True if done. By default only where that gives
+        results identical to ``F.linear`` (bfloat16); ``compute_dtype=float32`` packs a bf16/fp16
+        weight as float32, for CPUs without native bf16/fp16 GEMMs (``cpu_features.matmul_dtype``):
+        the output is then rounded to the model dtype once, as a native kernel's would be."""
+        if self.weight is None:
+            return False
+        widen = compute_dtype == torch.float32 and self.weight.dtype in (torch.bfloat16, torch.float16)
+        packed = prepack_for_onednn(self.weight, torch.float32 if widen else None)
         if packed is None:
             return False
+        bias = None if self.bias is None else self.bias.detach()
         self.packed, self.weight = packed, None
+        self.packed_bias = bias.float() if widen and bias is not None else bias
+        self.widen = torch.float32 if widen else None
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -111,5 +130,7 @@ class Linear(nn.Linear):
             y = self.small_batch(x).to(x.dtype)
             return y if self.small_batch_bias is None else y + self.small_batch_bias
         if self.packed is not None:
-            return onednn_linear(x, self.packed, self.bias)
+            if self.widen is not None:
+                return onednn_linear(x.to(self.widen), self.packed, self.packed_bias).to(x.dtype)
+            return onednn_linear(x, self.packed, self.packed_bias)
         return F.linear(x, self.weight, self.bias)

@@ -6,12 +6,21 @@
 // and unnormalised accumulator are rescaled by exp(m_old - m_new) -- the log-sum-exp merge.
 // A query at absolute position p sees keys 0..p (causal within the new chunk, all of the cached
 // prefix). Storage may be float32, bfloat16 or float16; maths is float32.
+//
+// Two inner loops compute the same thing. Tiles of many rows (prefill: up to 16 tokens x G heads)
+// run a block as two small GEMMs in registers: scores [rows x keys] = Q K^T from the block's keys
+// transposed (8 rows x 16 keys per micro-tile, one FMA per key vector per row), then
+// acc += P V (a few rows x the whole head dim per micro-tile); their sequences' blocks are
+// converted to float32 (K transposed) once per call, before the tiles, not once per tile. Tiles of
+// few rows (decode: G rows) take one dot product per (row, key), where transposing the block
+// would cost more than it saves.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <memory>
 #include <vector>
 
 #include "cpu_vec.h"
@@ -51,6 +60,200 @@ struct Tile {
   int64_t q_end;
 };
 
+constexpr int kScoreRows = 8;   // rows of one Q K^T micro-tile (x 16 keys)
+constexpr int kKeyChunk = 64;   // keys per online-softmax step of the tiled path
+
+inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// The keys and values of the sequences that take the tiled path, converted to float32 once per
+// call (not once per query tile) and laid out for it: per (sequence, kv head), K transposed in
+// groups of 16 positions, [L16 / 16][D][16] (L16 = its length rounded up to 16, the tail zero: a
+// micro-tile reads one contiguous 4 KiB run, not 64 rows 4 KiB apart), and V as [L16][D]. Key
+// chunks then span block boundaries.
+struct ConvertedSeqs {
+  int64_t D;
+  std::vector<int64_t> offset, len16;  // per sequence (offset -1: not converted)
+  std::vector<float> kt, v;
+  const float* k_of(int64_t seq, int64_t kh) const { return &kt[offset[seq] + kh * D * len16[seq]]; }
+  const float* v_of(int64_t seq, int64_t kh) const { return &v[offset[seq] + kh * len16[seq] * D]; }
+};
+
+template <typename T>
+ConvertedSeqs convert_sequences(const T* kc, const T* vc, const std::vector<char>& wanted, const int64_t* seq_lens,
+                                const int64_t* tables, int64_t max_blocks, int64_t KH, int64_t D, int64_t B) {
+  const int64_t S = static_cast<int64_t>(wanted.size());
+  ConvertedSeqs c{D, std::vector<int64_t>(S, -1), std::vector<int64_t>(S, 0), {}, {}};
+  std::vector<std::pair<int64_t, int64_t>> blocks;  // (sequence, logical block)
+  int64_t total = 0;
+  for (int64_t s = 0; s < S; ++s) {
+    if (!wanted[s]) continue;
+    c.offset[s] = total;
+    c.len16[s] = round_up(seq_lens[s], 16);
+    total += KH * c.len16[s] * D;
+    for (int64_t b = 0; b * B < seq_lens[s]; ++b) blocks.push_back({s, b});
+  }
+  if (blocks.empty()) return c;
+  c.kt.assign(total, 0.f);
+  c.v.assign(total, 0.f);
+  const int64_t n_items = static_cast<int64_t>(blocks.size()) * KH;
+  const int64_t row_stride = KH * D, block_stride = B * KH * D;
+  at::parallel_for(0, n_items, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t it = begin; it < end; ++it) {
+      const auto [seq, b] = blocks[it / KH];
+      const int64_t kh = it % KH, L16 = c.len16[seq];
+      const int64_t n = std::min<int64_t>(B, seq_lens[seq] - b * B);  // the keys written so far
+      const int64_t phys = tables[seq * max_blocks + b];
+      const T* kb = kc + phys * block_stride + kh * D;
+      const T* vb = vc + phys * block_stride + kh * D;
+      float* kt = &c.kt[c.offset[seq] + kh * D * L16];
+      float* v = &c.v[c.offset[seq] + kh * L16 * D];
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t pos = b * B + j;
+        const T* kr = kb + j * row_stride;
+        float* kcol = kt + (pos / 16) * D * 16 + pos % 16;
+        for (int64_t d = 0; d < D; ++d) kcol[d * 16] = static_cast<float>(kr[d]);
+        to_float(vb + j * row_stride, v + pos * D, static_cast<int>(D));
+      }
+    }
+  });
+  return c;
+}
+
+// Per-thread buffers of the tiled path, sized for the largest tile.
+struct TiledScratch {
+  int64_t rows_pad;
+  std::vector<float> qf, acc, m, l, alpha, scores;
+  TiledScratch(int64_t max_rows, int64_t D)
+      : rows_pad(round_up(max_rows, kScoreRows)), qf(rows_pad * D, 0.f), acc(rows_pad * D), m(rows_pad),
+        l(rows_pad), alpha(rows_pad), scores(rows_pad * kKeyChunk) {}
+};
+
+// One row's online-softmax step over a block's scores sr[0..n) of which the first `visible` count:
+// they become p = exp(s - m_new) (0 for the rest); returns alpha = exp(m_old - m_new).
+inline float softmax_step(float* sr, int64_t n, int64_t visible, float& m, float& l) {
+  const v16 iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  float block_max = neg_inf;
+  for (int64_t jc = 0; jc < n; jc += 16) {
+    const v16 x = *reinterpret_cast<const v16*>(sr + jc);
+    block_max = std::max(block_max, hmax(iota + static_cast<float>(jc) < static_cast<float>(visible) ? x : neg_inf));
+  }
+  const float m_new = std::max(m, block_max);
+  const float alpha = std::isinf(m) ? 0.f : exp_nonpositive(m - m_new);
+  v16 sum = {};
+  for (int64_t jc = 0; jc < n; jc += 16) {
+    v16* x = reinterpret_cast<v16*>(sr + jc);
+    const v16 p = exp_poly16(*x - m_new);
+    *x = iota + static_cast<float>(jc) < static_cast<float>(visible) ? p : v16{};
+    sum += *x;
+  }
+  l = l * alpha + hsum(sum);
+  m = m_new;
+  return alpha;
+}
+
+// One (query tile, kv head) item by small GEMMs over a converted sequence, kKeyChunk keys at a
+// time: rows r = i * G + g (query token i, head g), the first token at absolute position first_pos.
+// kD % 16 == 0.
+template <typename T, int kD>
+void attend_tile_gemm(const T* q, T* out, int64_t seq, int64_t q_begin, int64_t nq, int64_t first_pos, int64_t H,
+                      int64_t G, int64_t kh, float scale, const ConvertedSeqs& keys, TiledScratch& s) {
+  constexpr int NV = kD / 16;                     // head dim in 16-float vectors
+  constexpr int kPvRows = NV >= 16 ? 1 : 16 / NV;  // P V micro-tile: kPvRows x kD accumulators
+  static_assert(kScoreRows % kPvRows == 0, "P V row groups must tile the score row groups");
+  constexpr int64_t KP = kKeyChunk;
+  const float* kt_all = keys.k_of(seq, kh);
+  const float* v_all = keys.v_of(seq, kh);
+  const int64_t rows = nq * G, rows_pad = round_up(rows, kScoreRows);
+  float* qf = s.qf.data();
+  float* acc = s.acc.data();
+  float* sc = s.scores.data();
+  for (int64_t r = 0; r < rows_pad; ++r) {
+    float* qr = qf + r * kD;
+    if (r < rows) {
+      to_float(q + ((q_begin + r / G) * H + kh * G + r % G) * kD, qr, kD);
+      for (int d = 0; d < kD; ++d) qr[d] *= scale;
+    } else {
+      std::fill(qr, qr + kD, 0.f);  // padding rows: finite, never stored
+    }
+    s.m[r] = -std::numeric_limits<float>::infinity();
+    s.l[r] = 0.f;
+    std::fill(acc + r * kD, acc + (r + 1) * kD, 0.f);
+  }
+  const int64_t last_key = first_pos + nq;
+  for (int64_t c0 = 0; c0 < last_key; c0 += kKeyChunk) {
+    const int64_t n = std::min<int64_t>(kKeyChunk, last_key - c0);
+    // rows before r0 see no key of this chunk (causal): they are skipped whole micro-tiles at a time
+    const int64_t r0 = std::max<int64_t>(0, c0 - first_pos) * G / kScoreRows * kScoreRows;
+    const float* kt = kt_all + c0 * kD;  // c0 is a multiple of 16
+    const float* vf = v_all + c0 * kD;
+    // scores = Q K^T: kScoreRows x 32 keys per micro-tile (16 accumulators: each broadcast q
+    // element feeds two FMAs), then a last 16 keys where n leaves them
+    for (int64_t r = r0; r < rows_pad; r += kScoreRows) {
+      const float* qr = qf + r * kD;
+      int64_t jc = 0;
+      for (; jc + 32 <= n; jc += 32) {
+        v16 a[kScoreRows] = {}, b[kScoreRows] = {};
+        const float* k0 = kt + jc * kD;
+        for (int d = 0; d < kD; ++d) {
+          const v16 kv0 = *reinterpret_cast<const v16*>(k0 + d * 16);
+          const v16 kv1 = *reinterpret_cast<const v16*>(k0 + 16 * kD + d * 16);
+          for (int rr = 0; rr < kScoreRows; ++rr) {
+            const float x = qr[rr * kD + d];
+            a[rr] += x * kv0;
+            b[rr] += x * kv1;
+          }
+        }
+        for (int rr = 0; rr < kScoreRows; ++rr) {
+          *reinterpret_cast<v16*>(sc + (r + rr) * KP + jc) = a[rr];
+          *reinterpret_cast<v16*>(sc + (r + rr) * KP + jc + 16) = b[rr];
+        }
+      }
+      for (; jc < n; jc += 16) {
+        v16 a[kScoreRows] = {};
+        for (int d = 0; d < kD; ++d) {
+          const v16 kv = *reinterpret_cast<const v16*>(kt + jc * kD + d * 16);
+          for (int rr = 0; rr < kScoreRows; ++rr) a[rr] += qr[rr * kD + d] * kv;
+        }
+        for (int rr = 0; rr < kScoreRows; ++rr) *reinterpret_cast<v16*>(sc + (r + rr) * KP + jc) = a[rr];
+      }
+    }
+    // online softmax per row; masked keys (and rows that see none) get p = 0, alpha = 1
+    for (int64_t r = r0; r < rows_pad; ++r) {
+      float* sr = sc + r * KP;
+      const int64_t visible = r < rows ? std::min<int64_t>(n, first_pos + r / G - c0 + 1) : 0;
+      if (visible <= 0) {
+        std::fill(sr, sr + n, 0.f);
+        s.alpha[r] = 1.f;
+        continue;
+      }
+      s.alpha[r] = softmax_step(sr, n, visible, s.m[r], s.l[r]);
+    }
+    // acc = alpha * acc + P V: kPvRows rows x kD, the accumulators stay in registers over the chunk
+    for (int64_t r = r0; r < rows_pad; r += kPvRows) {
+      v16 a[kPvRows][NV];
+      for (int rr = 0; rr < kPvRows; ++rr)
+        for (int v = 0; v < NV; ++v)
+          a[rr][v] = *reinterpret_cast<const v16*>(acc + (r + rr) * kD + 16 * v) * s.alpha[r + rr];
+      for (int64_t j = 0; j < n; ++j) {
+        const v16* vr = reinterpret_cast<const v16*>(vf + j * kD);
+        for (int rr = 0; rr < kPvRows; ++rr) {
+          const float p = sc[(r + rr) * KP + j];
+          for (int v = 0; v < NV; ++v) a[rr][v] += p * vr[v];
+        }
+      }
+      for (int rr = 0; rr < kPvRows; ++rr)
+        for (int v = 0; v < NV; ++v) *reinterpret_cast<v16*>(acc + (r + rr) * kD + 16 * v) = a[rr][v];
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const float inv = 1.f / s.l[r];
+    float* ar = acc + r * kD;
+    for (int d = 0; d < kD; ++d) ar[d] *= inv;
+    from_float(ar, out + ((q_begin + r / G) * H + kh * G + r % G) * kD, kD);
+  }
+}
+
 // kD > 0 fixes the head dim at compile time (fully unrolled dot products); kD = 0 reads it at run time.
 template <typename T, int kD>
 void attention_kernel(const T* q, const T* kc, const T* vc, T* out, const int64_t* qsl,
@@ -67,12 +270,18 @@ void attention_kernel(const T* q, const T* kc, const T* vc, T* out, const int64_
   const int64_t num_items = static_cast<int64_t>(tiles.size()) * KH;
   const int64_t row_stride = KH * D;      // between tokens in a block
   const int64_t block_stride = B * KH * D;
+  // tiles of at least kScoreRows rows take the tiled path, over blocks converted once per call
+  auto tiled_tile = [&](const Tile& t) { return kD > 0 && kD % 16 == 0 && (t.q_end - t.q_begin) * G >= kScoreRows; };
+  std::vector<char> wanted(num_seqs, 0);
+  for (const Tile& t : tiles) wanted[t.seq] = wanted[t.seq] || tiled_tile(t);
+  const ConvertedSeqs converted = convert_sequences(kc, vc, wanted, seq_lens, tables, max_blocks, KH, D, B);
 
   at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
     const int64_t max_rows = kQueryTile * G;
     std::vector<float> qf(max_rows * D), acc(max_rows * D), m(max_rows), l(max_rows);
     std::vector<float> scores(max_rows * B), kf(B * D), vf(B * D);
     std::vector<int64_t> row_pos(max_rows);
+    std::unique_ptr<TiledScratch> tiled;  // made on a thread's first many-row tile
     for (int64_t item = begin; item < end; ++item) {
       const Tile& tile = tiles[item / KH];
       const int64_t kh = item % KH;
@@ -80,6 +289,13 @@ void attention_kernel(const T* q, const T* kc, const T* vc, T* out, const int64_
       const int64_t ctx = seq_lens[tile.seq];
       const int64_t first_pos = ctx - (qsl[tile.seq + 1] - qsl[tile.seq]) + (tile.q_begin - qsl[tile.seq]);
       const int64_t rows = nq * G;
+      if constexpr (kD > 0 && kD % 16 == 0) {
+        if (tiled_tile(tile)) {
+          if (!tiled) tiled = std::make_unique<TiledScratch>(max_rows, kD);
+          attend_tile_gemm<T, kD>(q, out, tile.seq, tile.q_begin, nq, first_pos, H, G, kh, scale, converted, *tiled);
+          continue;
+        }
+      }
       for (int64_t i = 0; i < nq; ++i) {
         for (int64_t g = 0; g < G; ++g) {
           const int64_t r = i * G + g;
@@ -247,6 +463,7 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor k_cache, torch:
              tables.data_ptr<int64_t>(), lens.size(0), tables.size(1), H, KH, D, B, static_cast<float>(scale));
     };
     switch (D) {
+      case 32: run(attention_kernel<scalar_t, 32>); break;
       case 64: run(attention_kernel<scalar_t, 64>); break;
       case 128: run(attention_kernel<scalar_t, 128>); break;
       default: run(attention_kernel<scalar_t, 0>); break;
