@@ -213,6 +213,11 @@ def test_bf16_engine_prepacks_weights_and_logits_equal_dense():
     # float32 GEMMs exactly where this CPU lacks native bf16 ones (both families must pass this)
     widened = matmul_dtype(torch.bfloat16) == torch.float32
     assert all((lin.widen == torch.float32) == widened for lin in model.modules() if isinstance(lin, Linear))
+    # the GGUF kernels' crossovers follow the dense path: 4-bit up to 16 rows against float32
+    # GEMMs, else 8; the Q8_0 LM head only against bf16 GEMMs (float32 ones beat it at every size)
+    qkv = model.layers[0].self_attn.qkv_proj
+    assert qkv.small_batch is not None and qkv.max_rows == (16 if widened else 8)
+    assert (model.lm_head.small_batch is None) == widened
     hidden = torch.randn(20, model.config.hidden_size, generator=torch.Generator().manual_seed(0)).bfloat16()
     logits = model.compute_logits(hidden)  # 20 rows: the dense (prepacked) head
     if widened:  # the float32 product rounded to bf16 once; the sum's order may move a rare ulp

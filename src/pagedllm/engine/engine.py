@@ -132,10 +132,11 @@ class Engine:
         with torch.device("meta"):
             net = LlamaForCausalLM(mcfg, _DTYPES[config.dtype], max_model_len, device=device, layer_ops=layer_ops)
         net.load_hf_state_dict(weights.state_dict)
-        if config.quantization == "gguf":
-            net.use_gguf_quantized(weights.quantized)
         # bf16/fp16 GEMMs run in float32 on CPUs without native bf16/fp16 dot products (3-4x faster)
         compute_dtype = matmul_dtype(_DTYPES[config.dtype]) if device == "cpu" else None
+        widened = compute_dtype == torch.float32 and config.dtype != "float32"
+        if config.quantization == "gguf":
+            net.use_gguf_quantized(weights.quantized, widened_dense=widened)
         net.prepack_weights(compute_dtype)
         net.eval()
         del weights

@@ -23,7 +23,13 @@ from pagedllm.kvstore.storage import KVCacheStorage
 from pagedllm.models.gguf_quant import BlockQuantized
 from pagedllm.models.layer_ops import TorchLayerOps
 from pagedllm.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
-from pagedllm.models.quantized_linear import DEFAULT_MAX_ROWS, Linear, quantized_matmul
+from pagedllm.models.quantized_linear import (
+    DEFAULT_MAX_ROWS,
+    WIDENED_INT4_MAX_ROWS,
+    WIDENED_INT8_MAX_ROWS,
+    Linear,
+    quantized_matmul,
+)
 
 
 class Attention(nn.Module):
@@ -109,18 +115,24 @@ class LlamaForCausalLM(nn.Module):
         reference: the embedding keeps the dense table for lookups."""
         return sum(m.prepack(compute_dtype) for m in self.modules() if isinstance(m, Linear))
 
-    def use_gguf_quantized(self, quantized: dict[str, BlockQuantized], max_rows: int = DEFAULT_MAX_ROWS) -> int:
+    def use_gguf_quantized(self, quantized: dict[str, BlockQuantized], max_rows: int = DEFAULT_MAX_ROWS,
+                           widened_dense: bool = False) -> int:
         """Attach small-batch kernels over GGUF blocks (HF-named, as the loader gives them) to every
-        projection whose parts are all block-quantized alike; returns how many projections use them."""
+        projection whose parts are all block-quantized alike; returns how many projections use them.
+        ``widened_dense``: the dense path will compute in float32 (``prepack_weights``), which moves
+        the crossovers (``WIDENED_INT4_MAX_ROWS``; Q8_0 blocks are then not used at all)."""
         ops, attached = self.layer_ops, 0
 
         def attach(linear: Linear, names: list[str]) -> None:
             nonlocal attached
             parts = [quantized.get(n) for n in names]
             blocks = BlockQuantized.cat(parts) if all(p is not None for p in parts) else None
-            kernel = None if blocks is None else quantized_matmul(blocks, self.dtype, ops)
+            rows = max_rows
+            if blocks is not None and widened_dense:
+                rows = WIDENED_INT4_MAX_ROWS if blocks.bits == 4 else WIDENED_INT8_MAX_ROWS
+            kernel = None if blocks is None or rows == 0 else quantized_matmul(blocks, self.dtype, ops)
             if kernel is not None:
-                linear.use_quantized(kernel, max_rows)
+                linear.use_quantized(kernel, rows)
                 attached += 1
 
         for i, layer in enumerate(self.layers):
