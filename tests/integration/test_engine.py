@@ -9,7 +9,7 @@ import torch
 from pagedllm import LLM, SamplingParams
 from pagedllm.cpu_features import matmul_dtype
 from pagedllm.errors import InvalidRequest, RequestTooLong
-from pagedllm.models.quantized_linear import Linear
+from pagedllm.models.quantized_linear import Int8BlockMatmul, Linear, NativePackedMatmul
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
 
@@ -217,7 +217,14 @@ def test_bf16_engine_prepacks_weights_and_logits_equal_dense():
     # GEMMs, else 8; the Q8_0 LM head only against bf16 GEMMs (float32 ones beat it at every size)
     qkv = model.layers[0].self_attn.qkv_proj
     assert qkv.small_batch is not None and qkv.max_rows == (16 if widened else 8)
-    assert (model.lm_head.small_batch is None) == widened
+    # ...and against float32 GEMMs a 1-row head reads the bf16 weight (half the bytes) instead
+    head = model.lm_head
+    assert isinstance(head.small_batch, NativePackedMatmul if widened else Int8BlockMatmul)
+    assert head.max_rows == (1 if widened else 8)
+    one = torch.randn(1, model.config.hidden_size, generator=torch.Generator().manual_seed(1)).bfloat16()
+    if widened:  # the 1-row head is a bf16 GEMM (oneDNN's blocked kernel; F.linear may sum in another order)
+        exact = torch.nn.functional.linear(one.float(), model.embed_tokens.weight.float())
+        torch.testing.assert_close(model.compute_logits(one), exact, rtol=2**-7, atol=1e-2)
     hidden = torch.randn(20, model.config.hidden_size, generator=torch.Generator().manual_seed(0)).bfloat16()
     logits = model.compute_logits(hidden)  # 20 rows: the dense (prepacked) head
     if widened:  # the float32 product rounded to bf16 once; the sum's order may move a rare ulp

@@ -27,7 +27,10 @@ from pagedllm.models.quantized_linear import (
     DEFAULT_MAX_ROWS,
     WIDENED_INT4_MAX_ROWS,
     WIDENED_INT8_MAX_ROWS,
+    WIDENED_NATIVE_HEAD_MAX_ROWS,
     Linear,
+    NativePackedMatmul,
+    prepack_for_onednn,
     quantized_matmul,
 )
 
@@ -111,8 +114,14 @@ class LlamaForCausalLM(nn.Module):
     def prepack_weights(self, compute_dtype: torch.dtype | None = None) -> int:
         """oneDNN layouts for every projection and the LM head (see ``Linear.prepack``): by default
         where results stay identical (bfloat16 on CPU); ``compute_dtype=float32`` makes bf16/fp16
-        GEMMs compute in float32. Returns how many were packed. A tied head drops only its own
-        reference: the embedding keeps the dense table for lookups."""
+        GEMMs compute in float32, except a 1-row LM head without another small-batch kernel, which
+        keeps a native packed copy (``NativePackedMatmul``). Returns how many were packed. A tied
+        head drops only its own reference: the embedding keeps the dense table for lookups."""
+        head = self.lm_head
+        if compute_dtype == torch.float32 and self.dtype != torch.float32 and head.small_batch is None:
+            native = prepack_for_onednn(head.weight)  # before the float32 packing drops the weight
+            if native is not None:
+                head.use_quantized(NativePackedMatmul(native), WIDENED_NATIVE_HEAD_MAX_ROWS)
         return sum(m.prepack(compute_dtype) for m in self.modules() if isinstance(m, Linear))
 
     def use_gguf_quantized(self, quantized: dict[str, BlockQuantized], max_rows: int = DEFAULT_MAX_ROWS,
