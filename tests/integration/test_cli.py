@@ -111,5 +111,5 @@ def test_bench_matmul_times_every_projection_with_each_kernel(tmp_path):
     assert report["projections"]["qkv"]["shape"] == [960, 576]
     for proj in report["projections"].values():
         for timings in proj["ms"].values():
-            assert set(timings) == {"dense", "prepacked", "gguf_blocks"} and min(timings.values()) > 0
+            assert set(timings) == {"dense", "prepacked", "prepacked_fp32", "gguf_blocks"} and min(timings.values()) > 0
     assert "per layer" in r.stdout

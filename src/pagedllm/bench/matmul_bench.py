@@ -3,7 +3,9 @@
 For each projection shape of the embedded SmolLM2 (fused qkv, o, fused gate_up, down, LM head)
 and each row count (tokens in the step), times in one process: ``F.linear`` on the dense bf16
 weight (what HF and the first engine used), the same weight prepacked for oneDNN
-(``prepack_for_onednn``, identical results), and the weight-only kernel over the GGUF's own
+(``prepack_for_onednn``, identical results), the weight widened to float32 and prepacked, timed
+with the activation's widening and the output's rounding as the engine runs it on a CPU without
+native bf16 (``cpu_features.matmul_dtype``), and the weight-only kernel over the GGUF's own
 blocks (int4 for the Q4_1 projections, the C++ Q8_0 kernel for the LM head). The per-layer total
 shows where the quantized path stops paying (``quantized_linear.DEFAULT_MAX_ROWS``). Weights are
 the real ones, so the quantized kernels see their real block layout. Medians of repeated calls.
@@ -30,6 +32,12 @@ def _median_ms(fn, repeats: int) -> float:
     return 1000 * statistics.median(samples)
 
 
+def _widened(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    from pagedllm.models.quantized_linear import onednn_linear
+
+    return onednn_linear(x.float(), packed, None).to(x.dtype)
+
+
 def main(args) -> dict:
     from pagedllm.models.gguf_quant import BlockQuantized
     from pagedllm.models.layer_ops import get_layer_ops
@@ -54,6 +62,7 @@ def main(args) -> dict:
     for name, parts in groups.items():
         dense = torch.cat([sd[n] for n in parts]).to(torch.bfloat16).contiguous()
         packed = prepack_for_onednn(dense)
+        packed32 = prepack_for_onednn(dense, torch.float32)
         kernel = quantized_matmul(BlockQuantized.cat([q[n] for n in parts]), torch.bfloat16, ops)
         per_rows = {}
         for rows in rows_list:
@@ -61,6 +70,8 @@ def main(args) -> dict:
             t = {"dense": _median_ms(partial(F.linear, x, dense), args.repeats)}
             if packed is not None:
                 t["prepacked"] = _median_ms(partial(onednn_linear, x, packed, None), args.repeats)
+            if packed32 is not None:
+                t["prepacked_fp32"] = _median_ms(partial(_widened, x, packed32), args.repeats)
             if kernel is not None:
                 t["gguf_blocks"] = _median_ms(partial(kernel, x), args.repeats)
             per_rows[rows] = t

@@ -76,6 +76,12 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=False)
         self.down_proj = Linear(intermediate, hidden, bias=False)
 
+    _projections = None  # (gate_up_proj, down_proj) as a plain tuple: no nn.Module.__getattr__ per step
+
     def forward(self, x: torch.Tensor, ops) -> torch.Tensor:
         """``ops.silu_mul`` (``layer_ops``) splits the fused gate/up rows."""
-        return self.down_proj.forward(ops.silu_mul(self.gate_up_proj.forward(x)))
+        projections = self._projections
+        if projections is None:
+            projections = self._projections = (self.gate_up_proj, self.down_proj)
+        gate_up, down = projections
+        return down.forward(ops.silu_mul(gate_up.forward(x)))

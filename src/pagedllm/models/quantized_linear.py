@@ -58,7 +58,8 @@ class Int4Matmul:
 
 
 class Int8BlockMatmul:
-    """x [M, K] @ W^T with W as GGUF Q8_0 blocks, through the C++ layer ops; float32 output."""
+    """x [M, K] @ W^T with W as GGUF Q8_0 blocks, through the C++ layer ops (float32 maths); output in
+    x's dtype."""
 
     def __init__(self, weight: BlockQuantized, layer_ops) -> None:
         if weight.bits != 8:
@@ -67,7 +68,7 @@ class Int8BlockMatmul:
         self.layer_ops = layer_ops
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.layer_ops.q8_0_linear(x, self.codes, self.scale)
+        return self.layer_ops.q8_0_linear(x, self.codes, self.scale).to(x.dtype)
 
 
 class NativePackedMatmul:
@@ -108,8 +109,11 @@ def prepack_for_onednn(weight: torch.Tensor, compute_dtype: torch.dtype | None =
         return None
 
 
+_LINEAR_POINTWISE = torch.ops.mkldnn._linear_pointwise.default  # resolved once: called ~120 times a step
+
+
 def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return _LINEAR_POINTWISE(x, packed, bias, "none", [], "")
 
 
 class Linear(nn.Linear):
@@ -145,11 +149,12 @@ class Linear(nn.Linear):
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Small-batch kernels return x's dtype (each kernel's contract)."""
         if self.small_batch is not None and x.shape[0] <= self.max_rows:
-            y = self.small_batch(x).to(x.dtype)
+            y = self.small_batch(x)
             return y if self.small_batch_bias is None else y + self.small_batch_bias
         if self.packed is not None:
             if self.widen is not None:
-                return onednn_linear(x.to(self.widen), self.packed, self.packed_bias).to(x.dtype)
-            return onednn_linear(x, self.packed, self.packed_bias)
+                return _LINEAR_POINTWISE(x.to(self.widen), self.packed, self.packed_bias, "none", [], "").to(x.dtype)
+            return _LINEAR_POINTWISE(x, self.packed, self.packed_bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

@@ -279,7 +279,8 @@ void attention_kernel(const T* q, const T* kc, const T* vc, T* out, const int64_
   at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
     const int64_t max_rows = kQueryTile * G;
     std::vector<float> qf(max_rows * D), acc(max_rows * D), m(max_rows), l(max_rows);
-    std::vector<float> scores(max_rows * B), kf(B * D), vf(B * D);
+    const int64_t KP = round_up(B, 16);  // a row of scores, whole 16-lane vectors
+    std::vector<float> scores(max_rows * KP), kf(KP * D), vf(B * D);
     std::vector<int64_t> row_pos(max_rows);
     std::unique_ptr<TiledScratch> tiled;  // made on a thread's first many-row tile
     for (int64_t item = begin; item < end; ++item) {
@@ -314,6 +315,17 @@ void attention_kernel(const T* q, const T* kc, const T* vc, T* out, const int64_
         const int64_t n = std::min<int64_t>(B, last_key - b * B);
         const T* kb = kc + table[b] * block_stride + kh * D;
         const T* vb = vc + table[b] * block_stride + kh * D;
+        if (b + 1 < nblocks) {  // the next block sits elsewhere in the pool: fetch its rows meanwhile
+          const char* kn = reinterpret_cast<const char*>(kc + table[b + 1] * block_stride + kh * D);
+          const char* vn = reinterpret_cast<const char*>(vc + table[b + 1] * block_stride + kh * D);
+          const int64_t bytes = D * static_cast<int64_t>(sizeof(T)), stride = row_stride * sizeof(T);
+          for (int64_t j = 0; j < B; ++j) {
+            for (int64_t o = 0; o < bytes; o += 64) {
+              __builtin_prefetch(kn + j * stride + o);
+              __builtin_prefetch(vn + j * stride + o);
+            }
+          }
+        }
         for (int64_t j = 0; j < n; ++j) {
           to_float(kb + j * row_stride, &kf[j * D], D);
           to_float(vb + j * row_stride, &vf[j * D], D);
@@ -321,20 +333,41 @@ void attention_kernel(const T* q, const T* kc, const T* vc, T* out, const int64_
         for (int64_t r = 0; r < rows; ++r) {
           const int64_t visible = std::min<int64_t>(n, row_pos[r] - b * B + 1);
           if (visible <= 0) continue;
-          float* sc = &scores[r * B];
+          float* sc = &scores[r * KP];
           const float* qr = &qf[r * D];
           float block_max = -std::numeric_limits<float>::infinity();
           if constexpr (kD > 0 && kD % 16 == 0) {
+            // 16 keys at a time: one partial-product vector per key, summed across lanes together
+            // (reduce16), then the online-softmax step and P V on 16-lane vectors
             constexpr int NV = kD / 16;  // head dim in 16-float vectors, kept in registers
             v16 qv[NV];
             for (int v = 0; v < NV; ++v) qv[v] = *reinterpret_cast<const v16*>(qr + 16 * v);
-            for (int64_t j = 0; j < visible; ++j) {
-              const v16* kr = reinterpret_cast<const v16*>(&kf[j * kD]);
-              v16 s = qv[0] * kr[0];
-              for (int v = 1; v < NV; ++v) s += qv[v] * kr[v];
-              sc[j] = hsum(s);
-              block_max = std::max(block_max, sc[j]);
+            for (int64_t jc = 0; jc < visible; jc += 16) {
+              v16 part[16];
+              const int64_t count = std::min<int64_t>(16, visible - jc);
+              for (int jj = 0; jj < 16; ++jj) {
+                if (jj < count) {
+                  const v16* kr = reinterpret_cast<const v16*>(&kf[(jc + jj) * kD]);
+                  v16 dot = qv[0] * kr[0];
+                  for (int v = 1; v < NV; ++v) dot += qv[v] * kr[v];
+                  part[jj] = dot;
+                } else {
+                  part[jj] = v16{};
+                }
+              }
+              *reinterpret_cast<v16*>(sc + jc) = reduce16(part);
             }
+            const float alpha = softmax_step(sc, visible, visible, m[r], l[r]);
+            float* ar = &acc[r * kD];
+            v16 a[NV];
+            for (int v = 0; v < NV; ++v) a[v] = *reinterpret_cast<const v16*>(ar + 16 * v) * alpha;
+            for (int64_t j = 0; j < visible; ++j) {
+              const v16* vr = reinterpret_cast<const v16*>(&vf[j * kD]);
+              const float p = sc[j];
+              for (int v = 0; v < NV; ++v) a[v] += p * vr[v];
+            }
+            for (int v = 0; v < NV; ++v) *reinterpret_cast<v16*>(ar + 16 * v) = a[v];
+            continue;
           } else {
             for (int64_t j = 0; j < visible; ++j) {
               const float* kr = &kf[j * D];
@@ -355,25 +388,13 @@ void attention_kernel(const T* q, const T* kc, const T* vc, T* out, const int64_
             sc[j] = exp_nonpositive(sc[j] - m_new);
             block_sum += sc[j];
           }
-          if constexpr (kD > 0 && kD % 16 == 0) {
-            constexpr int NV = kD / 16;  // the accumulator row stays in registers across the block
-            v16 a[NV];
-            for (int v = 0; v < NV; ++v) a[v] = *reinterpret_cast<const v16*>(ar + 16 * v) * alpha;
-            for (int64_t j = 0; j < visible; ++j) {
-              const v16* vr = reinterpret_cast<const v16*>(&vf[j * kD]);
-              const float p = sc[j];
-              for (int v = 0; v < NV; ++v) a[v] += p * vr[v];
-            }
-            for (int v = 0; v < NV; ++v) *reinterpret_cast<v16*>(ar + 16 * v) = a[v];
-          } else {
 #pragma omp simd
-            for (int64_t d = 0; d < D; ++d) ar[d] *= alpha;
-            for (int64_t j = 0; j < visible; ++j) {
-              const float p = sc[j];
-              const float* vr = &vf[j * D];
+          for (int64_t d = 0; d < D; ++d) ar[d] *= alpha;
+          for (int64_t j = 0; j < visible; ++j) {
+            const float p = sc[j];
+            const float* vr = &vf[j * D];
 #pragma omp simd
-              for (int64_t d = 0; d < D; ++d) ar[d] += p * vr[d];
-            }
+            for (int64_t d = 0; d < D; ++d) ar[d] += p * vr[d];
           }
           l[r] = l[r] * alpha + block_sum;
           m[r] = m_new;
