@@ -278,6 +278,8 @@ def make_parser() -> argparse.ArgumentParser:
     at.add_argument("--repeats", type=int, default=10)
     at.add_argument("--device", default="cpu")
     at.add_argument("--plot", default=None)
+    at.add_argument("--prefill", action="store_true",
+                    help="causal prefill of --context tokens per sequence instead of decode (GFLOP/s)")
     mm = bench_parser("matmul", "dense vs prepacked vs GGUF-block matmuls per projection", "matmul_bench",
                       engine_options=False)
     mm.add_argument("--model", default=None)

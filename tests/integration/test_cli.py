@@ -102,6 +102,16 @@ def test_kv_memory_benchmarks_run_and_report(tmp_path):
             assert report["same_outputs"] and report["swap"]["swapped_out_blocks"] > 0
 
 
+def test_bench_attention_prefill_checks_each_backend_against_causal_sdpa(tmp_path):
+    out = tmp_path / "attention.json"
+    r = run_cli("bench", "attention", "--prefill", "--batch", "2", "--context", "40", "--repeats", "1",
+                "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["mode"] == "prefill" and row["context"] == 40
+    assert {"cpu_gflops", "reference_gflops", "sdpa_gflops"} <= set(row) and row["cpu_gflops"] > 0
+
+
 def test_bench_matmul_times_every_projection_with_each_kernel(tmp_path):
     out = tmp_path / "matmul.json"
     r = run_cli("bench", "matmul", "--rows", "1,16", "--repeats", "2", "--json", str(out))

@@ -6,6 +6,10 @@ The contiguous baseline keeps each sequence's K/V in one dense [batch, kv_heads,
 tensor and calls ``scaled_dot_product_attention`` (GQA); the paged backends read the same K/V
 scattered over shuffled blocks through block tables. Times are medians of repeated calls in one
 process; the report gives each backend's time as a ratio to the contiguous SDPA.
+
+``--prefill``: instead, causal prefill of ``context`` new tokens per sequence (every position a
+query; no cached prefix), against SDPA with ``is_causal=True``, with each kernel's rate in GFLOP/s
+(4 * heads * head_dim * L(L+1)/2 per sequence: QK^T and PV over the causal triangle).
 """
 
 from __future__ import annotations
@@ -54,6 +58,55 @@ def _case(batch: int, ctx: int, block: int, dtype: torch.dtype, gen: torch.Gener
     k_dense = k_cache[tables].reshape(batch, nblocks * block, KV_HEADS, HEAD_DIM)[:, :ctx].transpose(1, 2).contiguous()
     v_dense = v_cache[tables].reshape(batch, nblocks * block, KV_HEADS, HEAD_DIM)[:, :ctx].transpose(1, 2).contiguous()
     return q, k_cache, v_cache, meta, k_dense, v_dense
+
+
+def _prefill_case(batch: int, ctx: int, block: int, dtype: torch.dtype, gen: torch.Generator, device: str):
+    nblocks = -(-ctx // block)
+    total = batch * nblocks
+    k_cache = torch.randn(total, block, KV_HEADS, HEAD_DIM, generator=gen).to(device, dtype)
+    v_cache = torch.randn(total, block, KV_HEADS, HEAD_DIM, generator=gen).to(device, dtype)
+    tables = torch.randperm(total, generator=gen).view(batch, nblocks).to(device)
+    q = torch.randn(batch * ctx, HEADS, HEAD_DIM, generator=gen).to(device, dtype)
+    qsl = [i * ctx for i in range(batch + 1)]
+    seq_lens = [ctx] * batch
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(batch * ctx, dtype=torch.long, device=device),
+        query_start_loc=torch.tensor(qsl, device=device), seq_lens=torch.tensor(seq_lens, device=device),
+        block_tables=tables, num_decodes=0, query_start_loc_list=qsl, seq_lens_list=seq_lens)
+    k_dense = k_cache[tables].reshape(batch, nblocks * block, KV_HEADS, HEAD_DIM)[:, :ctx].transpose(1, 2).contiguous()
+    v_dense = v_cache[tables].reshape(batch, nblocks * block, KV_HEADS, HEAD_DIM)[:, :ctx].transpose(1, 2).contiguous()
+    q_dense = q.view(batch, ctx, HEADS, HEAD_DIM).transpose(1, 2).contiguous()
+    return q, k_cache, v_cache, meta, q_dense, k_dense, v_dense
+
+
+def run_prefill(batches, contexts, blocks, dtypes, backends, repeats: int, seed: int = 0,
+                device: str = "cpu") -> list[dict]:
+    """Causal prefill attention: each backend against SDPA(is_causal), times and GFLOP/s."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = []
+    for batch, ctx, block, dtype_name in itertools.product(batches, contexts, blocks, dtypes):
+        dtype = getattr(torch, dtype_name)
+        q, kc, vc, meta, qd, kd, vd = _prefill_case(batch, ctx, block, dtype, gen, device)
+        flops = batch * 4 * HEADS * HEAD_DIM * ctx * (ctx + 1) / 2
+
+        def sdpa(qd=qd, kd=kd, vd=vd):
+            return F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, enable_gqa=True)
+
+        t_sdpa = _time(sdpa, repeats)
+        expected = sdpa().transpose(1, 2).reshape(batch * ctx, HEADS, HEAD_DIM)
+        row = {"mode": "prefill", "batch": batch, "context": ctx, "block_size": block, "dtype": dtype_name,
+               "sdpa_contiguous_ms": round(t_sdpa * 1000, 3), "sdpa_gflops": round(flops / t_sdpa / 1e9, 1)}
+        for name in backends:
+            backend = get_backend(name, device, HEAD_DIM)
+            out = backend.forward(q, kc, vc, meta)
+            torch.testing.assert_close(out.float(), expected.float(), atol=3e-2, rtol=3e-2)
+            t = _time(lambda b=backend, q=q, kc=kc, vc=vc, meta=meta: b.forward(q, kc, vc, meta), repeats)
+            row[f"{name}_ms"] = round(t * 1000, 3)
+            row[f"{name}_gflops"] = round(flops / t / 1e9, 1)
+            row[f"{name}_over_sdpa"] = round(t / t_sdpa, 2)
+        rows.append(row)
+        print("  ".join(f"{k}={v}" for k, v in row.items()), flush=True)
+    return rows
 
 
 def run(batches, contexts, blocks, dtypes, backends, repeats: int, seed: int = 0, device: str = "cpu") -> list[dict]:
@@ -111,11 +164,12 @@ def plot(rows: list[dict], backends, path: str) -> None:
 def main(args) -> list[dict]:
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
     backends = args.backends.split(",")
-    rows = run(ints(args.batch), ints(args.context), ints(args.block_size), args.dtype.split(","), backends,
-               args.repeats, args.seed, args.device)
+    measure = run_prefill if args.prefill else run
+    rows = measure(ints(args.batch), ints(args.context), ints(args.block_size), args.dtype.split(","), backends,
+                   args.repeats, args.seed, args.device)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"threads": torch.get_num_threads(), "rows": rows}, f, indent=2)
-    if args.plot:
+    if args.plot and not args.prefill:
         plot(rows, backends, args.plot)
     return rows
