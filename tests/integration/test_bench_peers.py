@@ -6,8 +6,12 @@ vLLM comparison needs `make peers` and is not part of `make test`."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -69,6 +73,48 @@ def test_a_peer_gets_the_same_prompts_and_ratios_are_of_medians(tiny, tmp_path):
         assert len(w["vllm_runs"]) == 2
         assert w["ratio"] == pytest.approx(w["pagedllm"] / w["vllm"])
         assert w["vllm"] == pytest.approx(sorted(w["vllm_runs"])[0] / 2 + sorted(w["vllm_runs"])[1] / 2)
+
+
+HANGING = textwrap.dedent('''
+    import json, os, subprocess, sys, time
+    # an engine process of its own, as vLLM's worker has: same process group
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    open(sys.argv[1] + "/pids", "w").write(f"{os.getpid()} {child.pid}")
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        open(sys.argv[1] + "/busy", "w").close()
+        time.sleep(600)
+''')
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie waits only for its reaper
+        return f.read().split(") ")[-1][0] != "Z"
+
+
+def test_terminating_the_benchmark_kills_the_peer_and_its_engine_processes(tiny, tmp_path):
+    """`kill` on a running `bench peers` used to leave the worker's process group (its own
+    session) running, competing with the next benchmark."""
+    worker = tmp_path / "hanging.py"
+    worker.write_text(HANGING)
+    bench = subprocess.Popen([sys.executable, "-m", "pagedllm.cli", "bench", "peers", "--model", tiny, *COMMON,
+                              "--peer-python", sys.executable, "--peer-model", str(tmp_path),
+                              "--peer-worker", str(worker)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "busy").exists():  # the peer is running its first job
+        assert bench.poll() is None and time.monotonic() < deadline, bench.stderr.read().decode()[-2000:]
+        time.sleep(0.1)
+    pids = [int(x) for x in (tmp_path / "pids").read_text().split()]
+    bench.send_signal(signal.SIGTERM)
+    assert bench.wait(30) == 128 + signal.SIGTERM
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(pid) for pid in pids), "the peer's processes outlived the benchmark"
 
 
 @pytest.mark.parametrize("concurrency, prefill, message", [("0", "", "--concurrency"), ("", "32", "--prefill"),

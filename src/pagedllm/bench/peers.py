@@ -16,6 +16,7 @@ skipped with a message saying how to get it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -110,15 +111,27 @@ class PeerWorker:
         finally:
             self._signal(signal.SIGSTOP)
 
-    def close(self) -> None:
-        if self.proc.poll() is None:
+    def close(self, graceful: bool = True) -> None:
+        """Let the worker exit (its stdin closed) or, when not ``graceful`` or when it does not exit
+        within a minute, kill its whole process group: vLLM's engine processes must not outlive
+        the benchmark (left behind, they would compete with the next run)."""
+        if self.proc.poll() is None and graceful:
             self._signal(signal.SIGCONT)
             self.proc.stdin.close()
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)  # the group outlives its leader: kill what is left
+        self.proc.wait()
         self.log.close()
+
+
+class _Terminated(Exception):
+    """SIGTERM while the peer runs: unwinds to the ``finally`` that kills the peer's process group."""
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise _Terminated()
 
 
 def run_pagedllm(llm, prompts: list[list[int]], max_tokens: int) -> dict:
@@ -161,6 +174,9 @@ def main(args) -> dict:
     if skipped:
         print(skipped, file=sys.stderr)
     runs: dict[str, dict[str, list]] = {w.name: {"pagedllm": [], "vllm": []} for w in workloads}
+    # `kill` (SIGTERM) would otherwise end this process at once and leave the peer's group running
+    previous_sigterm = signal.signal(signal.SIGTERM, _raise_terminated) if peer else None
+    graceful = True
     try:
         engines = {"pagedllm": lambda prompts, max_tokens: run_pagedllm(llm, prompts, max_tokens)}
         if peer:
@@ -185,9 +201,13 @@ def main(args) -> dict:
                         result["tokens_per_s"] = rate(result, w)
                         runs[w.name][name].append(result)
                     bar.update(1)
+    except _Terminated:
+        graceful = False
+        raise SystemExit(128 + signal.SIGTERM) from None
     finally:
         if peer:
-            peer.close()
+            peer.close(graceful)
+            signal.signal(signal.SIGTERM, previous_sigterm)
     report = {"settings": {"dtype": args.dtype, "quantization": llm.engine.config.quantization,
                            "rounds": args.rounds, "input_len": args.input_len, "output_len": args.output_len,
                            "max_num_seqs": max_num_seqs, "peer_python": args.peer_python,
