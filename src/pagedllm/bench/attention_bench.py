@@ -41,41 +41,27 @@ def _time(fn, repeats: int) -> float:
     return statistics.median(samples)
 
 
-def _case(batch: int, ctx: int, block: int, dtype: torch.dtype, gen: torch.Generator, device: str):
+def _case(batch: int, ctx: int, block: int, dtype: torch.dtype, gen: torch.Generator, device: str,
+          prefill: bool = False):
+    """Random K/V for ``batch`` sequences of ``ctx`` tokens in shuffled blocks, their queries (the last
+    position of each, or with ``prefill`` every position), and the same K/V (and queries) laid out
+    contiguously per sequence for SDPA: [batch, heads, tokens, dim]."""
     nblocks = -(-ctx // block)
     total = batch * nblocks
     k_cache = torch.randn(total, block, KV_HEADS, HEAD_DIM, generator=gen).to(device, dtype)
     v_cache = torch.randn(total, block, KV_HEADS, HEAD_DIM, generator=gen).to(device, dtype)
     tables = torch.randperm(total, generator=gen).view(batch, nblocks).to(device)
-    q = torch.randn(batch, HEADS, HEAD_DIM, generator=gen).to(device, dtype)
+    per_seq = ctx if prefill else 1
+    q = torch.randn(batch * per_seq, HEADS, HEAD_DIM, generator=gen).to(device, dtype)
+    qsl = [i * per_seq for i in range(batch + 1)]
     seq_lens = [ctx] * batch
     meta = AttentionMetadata(
-        slot_mapping=torch.zeros(batch, dtype=torch.long, device=device),
-        query_start_loc=torch.arange(batch + 1, device=device),
-        seq_lens=torch.tensor(seq_lens, device=device), block_tables=tables, num_decodes=batch,
-        query_start_loc_list=list(range(batch + 1)), seq_lens_list=seq_lens)
-    # the same K/V laid out contiguously per sequence: [batch, kv_heads, ctx, dim]
-    k_dense = k_cache[tables].reshape(batch, nblocks * block, KV_HEADS, HEAD_DIM)[:, :ctx].transpose(1, 2).contiguous()
-    v_dense = v_cache[tables].reshape(batch, nblocks * block, KV_HEADS, HEAD_DIM)[:, :ctx].transpose(1, 2).contiguous()
-    return q, k_cache, v_cache, meta, k_dense, v_dense
-
-
-def _prefill_case(batch: int, ctx: int, block: int, dtype: torch.dtype, gen: torch.Generator, device: str):
-    nblocks = -(-ctx // block)
-    total = batch * nblocks
-    k_cache = torch.randn(total, block, KV_HEADS, HEAD_DIM, generator=gen).to(device, dtype)
-    v_cache = torch.randn(total, block, KV_HEADS, HEAD_DIM, generator=gen).to(device, dtype)
-    tables = torch.randperm(total, generator=gen).view(batch, nblocks).to(device)
-    q = torch.randn(batch * ctx, HEADS, HEAD_DIM, generator=gen).to(device, dtype)
-    qsl = [i * ctx for i in range(batch + 1)]
-    seq_lens = [ctx] * batch
-    meta = AttentionMetadata(
-        slot_mapping=torch.zeros(batch * ctx, dtype=torch.long, device=device),
+        slot_mapping=torch.zeros(batch * per_seq, dtype=torch.long, device=device),
         query_start_loc=torch.tensor(qsl, device=device), seq_lens=torch.tensor(seq_lens, device=device),
-        block_tables=tables, num_decodes=0, query_start_loc_list=qsl, seq_lens_list=seq_lens)
+        block_tables=tables, num_decodes=0 if prefill else batch, query_start_loc_list=qsl, seq_lens_list=seq_lens)
     k_dense = k_cache[tables].reshape(batch, nblocks * block, KV_HEADS, HEAD_DIM)[:, :ctx].transpose(1, 2).contiguous()
     v_dense = v_cache[tables].reshape(batch, nblocks * block, KV_HEADS, HEAD_DIM)[:, :ctx].transpose(1, 2).contiguous()
-    q_dense = q.view(batch, ctx, HEADS, HEAD_DIM).transpose(1, 2).contiguous()
+    q_dense = q.view(batch, per_seq, HEADS, HEAD_DIM).transpose(1, 2).contiguous()
     return q, k_cache, v_cache, meta, q_dense, k_dense, v_dense
 
 
@@ -86,7 +72,7 @@ def run_prefill(batches, contexts, blocks, dtypes, backends, repeats: int, seed:
     rows = []
     for batch, ctx, block, dtype_name in itertools.product(batches, contexts, blocks, dtypes):
         dtype = getattr(torch, dtype_name)
-        q, kc, vc, meta, qd, kd, vd = _prefill_case(batch, ctx, block, dtype, gen, device)
+        q, kc, vc, meta, qd, kd, vd = _case(batch, ctx, block, dtype, gen, device, prefill=True)
         flops = batch * 4 * HEADS * HEAD_DIM * ctx * (ctx + 1) / 2
 
         def sdpa(qd=qd, kd=kd, vd=vd):
@@ -114,8 +100,7 @@ def run(batches, contexts, blocks, dtypes, backends, repeats: int, seed: int = 0
     rows = []
     for batch, ctx, block, dtype_name in itertools.product(batches, contexts, blocks, dtypes):
         dtype = getattr(torch, dtype_name)
-        q, kc, vc, meta, kd, vd = _case(batch, ctx, block, dtype, gen, device)
-        qd = q.unsqueeze(2)  # [batch, heads, 1, dim]
+        q, kc, vc, meta, qd, kd, vd = _case(batch, ctx, block, dtype, gen, device)  # qd: [batch, heads, 1, dim]
         sdpa = _time(lambda qd=qd, kd=kd, vd=vd: F.scaled_dot_product_attention(qd, kd, vd, enable_gqa=True),
                      repeats)
         row = {"batch": batch, "context": ctx, "block_size": block, "dtype": dtype_name,

@@ -34,7 +34,8 @@ from pagedllm.models.gguf_quant import BlockQuantized
 # dense weights (docs/benchmarks.md); hot-cache microbenchmarks favour the dense path sooner.
 DEFAULT_MAX_ROWS = 8
 # Where the dense GEMMs compute in float32 (a CPU without native bf16, ``cpu_features``), measured
-# with weights streaming from DRAM (30 layers of SmolLM2's projections, docs/benchmarks.md): the
+# with weights streaming from DRAM (30 layers of SmolLM2's projections, a one-off cold-cache script on
+# a Xeon without AVX512-BF16, docs/benchmarks.md): the
 # 4-bit kernel is faster up to 16 rows (34 vs 41 ms at 16, 80 vs 60 ms at 32), and the Q8_0 kernel
 # (no reuse across rows) never is (LM head: 8.9 vs 6.8 ms at 1 row, 69 vs 10 ms at 8).
 WIDENED_INT4_MAX_ROWS = 16
