@@ -123,3 +123,18 @@ def test_bench_matmul_times_every_projection_with_each_kernel(tmp_path):
         for timings in proj["ms"].values():
             assert set(timings) == {"dense", "prepacked", "prepacked_fp32", "gguf_blocks"} and min(timings.values()) > 0
     assert "per layer" in r.stdout
+
+
+def test_bench_step_splits_the_unprofiled_step_into_parts(tmp_path):
+    out = tmp_path / "step.json"
+    r = run_cli("bench", "step", "--batch", "2", "--context", "24", "--steps", "3", "--dtype", "float32",
+                "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    report = json.loads(out.read_text())
+    parts = report["parts_ms"]
+    assert set(parts) == {"matmul (linear layers, LM head)", "attention (write K/V + paged attention)",
+                          "other ops (norms, activations, argmax...)", "Python and glue"}
+    assert min(parts.values()) >= 0 and parts["matmul (linear layers, LM head)"] > 0
+    # glue is the unprofiled step less the measured ops, so the parts add up to that step, not more
+    assert sum(parts.values()) <= report["step_ms"] + 0.05 or parts["Python and glue"] == 0
+    assert abs(sum(report["shares"].values()) - 1) < 0.01 or parts["Python and glue"] == 0

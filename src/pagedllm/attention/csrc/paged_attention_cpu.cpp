@@ -18,6 +18,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <memory>
@@ -254,6 +255,29 @@ void attend_tile_gemm(const T* q, T* out, int64_t seq, int64_t q_begin, int64_t 
   }
 }
 
+// The order in which threads take the (tile, kv head) items: kv head by kv head, so that threads
+// working at the same time share one head's keys and values in cache, and within a head the
+// costliest tiles (rows x keys they see) first, so that the last items handed out are the
+// cheapest and the threads finish together.
+inline std::vector<int64_t> schedule(const std::vector<Tile>& tiles, const int64_t* qsl, const int64_t* seq_lens,
+                                     int64_t KH) {
+  const int64_t n_tiles = static_cast<int64_t>(tiles.size());
+  std::vector<int64_t> cost(n_tiles), by_cost(n_tiles);
+  for (int64_t i = 0; i < n_tiles; ++i) {
+    const Tile& t = tiles[i];
+    const int64_t nq = t.q_end - t.q_begin;
+    const int64_t first_pos = seq_lens[t.seq] - (qsl[t.seq + 1] - qsl[t.seq]) + (t.q_begin - qsl[t.seq]);
+    cost[i] = nq * (first_pos + nq);
+    by_cost[i] = i;
+  }
+  std::stable_sort(by_cost.begin(), by_cost.end(), [&](int64_t a, int64_t b) { return cost[a] > cost[b]; });
+  std::vector<int64_t> order;
+  order.reserve(n_tiles * KH);
+  for (int64_t kh = 0; kh < KH; ++kh)
+    for (int64_t i : by_cost) order.push_back(i * KH + kh);
+  return order;
+}
+
 // kD > 0 fixes the head dim at compile time (fully unrolled dot products); kD = 0 reads it at run time.
 template <typename T, int kD>
 void attention_kernel(const T* q, const T* kc, const T* vc, T* out, const int64_t* qsl,
@@ -275,15 +299,22 @@ void attention_kernel(const T* q, const T* kc, const T* vc, T* out, const int64_
   std::vector<char> wanted(num_seqs, 0);
   for (const Tile& t : tiles) wanted[t.seq] = wanted[t.seq] || tiled_tile(t);
   const ConvertedSeqs converted = convert_sequences(kc, vc, wanted, seq_lens, tables, max_blocks, KH, D, B);
+  const std::vector<int64_t> order = schedule(tiles, qsl, seq_lens, KH);
 
-  at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
+  // threads take items from a shared counter (not a static split of the range, which gave one
+  // thread a causal prefill's late, costly tiles and left the other idle for up to half the call)
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), num_items);
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     const int64_t max_rows = kQueryTile * G;
     std::vector<float> qf(max_rows * D), acc(max_rows * D), m(max_rows), l(max_rows);
     const int64_t KP = round_up(B, 16);  // a row of scores, whole 16-lane vectors
     std::vector<float> scores(max_rows * KP), kf(KP * D), vf(B * D);
     std::vector<int64_t> row_pos(max_rows);
     std::unique_ptr<TiledScratch> tiled;  // made on a thread's first many-row tile
-    for (int64_t item = begin; item < end; ++item) {
+    for (int64_t k = next.fetch_add(1, std::memory_order_relaxed); k < num_items;
+         k = next.fetch_add(1, std::memory_order_relaxed)) {
+      const int64_t item = order[k];
       const Tile& tile = tiles[item / KH];
       const int64_t kh = item % KH;
       const int64_t nq = tile.q_end - tile.q_begin;
