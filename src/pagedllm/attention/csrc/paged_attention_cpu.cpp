@@ -134,18 +134,21 @@ struct TiledScratch {
 inline float softmax_step(float* sr, int64_t n, int64_t visible, float& m, float& l) {
   const v16 iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   const float neg_inf = -std::numeric_limits<float>::infinity();
-  float block_max = neg_inf;
+  // lanes at or past `visible` are masked: only in the vector that holds it (a row's diagonal, or a
+  // partial last vector), not in the fully visible ones before it
+  v16 vmax = v16{} + neg_inf;
   for (int64_t jc = 0; jc < n; jc += 16) {
     const v16 x = *reinterpret_cast<const v16*>(sr + jc);
-    block_max = std::max(block_max, hmax(iota + static_cast<float>(jc) < static_cast<float>(visible) ? x : neg_inf));
+    const v16 y = jc + 16 > visible ? (iota + static_cast<float>(jc) < static_cast<float>(visible) ? x : neg_inf) : x;
+    vmax = vmax > y ? vmax : y;
   }
-  const float m_new = std::max(m, block_max);
+  const float m_new = std::max(m, hmax(vmax));
   const float alpha = std::isinf(m) ? 0.f : exp_nonpositive(m - m_new);
   v16 sum = {};
   for (int64_t jc = 0; jc < n; jc += 16) {
     v16* x = reinterpret_cast<v16*>(sr + jc);
     const v16 p = exp_poly16(*x - m_new);
-    *x = iota + static_cast<float>(jc) < static_cast<float>(visible) ? p : v16{};
+    *x = jc + 16 > visible ? (iota + static_cast<float>(jc) < static_cast<float>(visible) ? p : v16{}) : p;
     sum += *x;
   }
   l = l * alpha + hsum(sum);
