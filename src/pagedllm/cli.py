@@ -1,4 +1,4 @@
-"""Command line: ``pagedllm generate | chat | serve | bench``.
+"""Command line: ``pagedllm generate | chat | serve | trace | bench``.
 
 ``generate`` prints the completion as it streams, then a one-line summary (tokens/s, peak KV
 blocks used / total). ``chat`` is an interactive conversation with the chat template applied.
@@ -194,6 +194,18 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_trace(args) -> int:
+    from pagedllm.bench import traces
+
+    try:
+        rate = float(args.rate)
+    except ValueError:
+        raise ValueError(f"--rate must be a number or inf, got {args.rate!r}") from None
+    args.rate = rate
+    traces.main(args)
+    return 0
+
+
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedllm", description="LLM inference over a paged KV cache")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -223,6 +235,13 @@ def make_parser() -> argparse.ArgumentParser:
     srv.add_argument("--uvicorn-log-level", default="warning", choices=["critical", "error", "warning", "info"])
     add_option_args(srv)
     srv.set_defaults(func=cmd_serve)
+    tr = sub.add_parser("trace", help="write a seeded request trace (JSONL) for the benchmarks and the simulator")
+    tr.add_argument("--workload", required=True, choices=["sharegpt", "alpaca", "chat", "code"])
+    tr.add_argument("--num-requests", type=int, default=1000)
+    tr.add_argument("--rate", default="inf", help="Poisson arrivals per second (inf: all at t=0)")
+    tr.add_argument("--seed", type=int, default=0)
+    tr.add_argument("--out", required=True, help="the JSONL file to write")
+    tr.set_defaults(func=cmd_trace)
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(dest="bench", required=True)
 

@@ -138,3 +138,16 @@ def test_bench_step_splits_the_unprofiled_step_into_parts(tmp_path):
     # glue is the unprofiled step less the measured ops, so the parts add up to that step, not more
     assert sum(parts.values()) <= report["step_ms"] + 0.05 or parts["Python and glue"] == 0
     assert abs(sum(report["shares"].values()) - 1) < 0.01 or parts["Python and glue"] == 0
+
+
+def test_trace_writes_a_seeded_jsonl_trace_and_rejects_a_bad_rate(tmp_path):
+    out = tmp_path / "code.jsonl"
+    r = run_cli("trace", "--workload", "code", "--num-requests", "30", "--rate", "2", "--seed", "4", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    assert "requests=30" in r.stdout and "shared_prefixes=" in r.stdout
+    from pagedllm.bench.traces import make_trace, read_trace
+
+    assert read_trace(out) == make_trace("code", 30, 2.0, 4)
+    r = run_cli("trace", "--workload", "code", "--rate", "fast", "--out", str(out))
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "--rate must be a number or inf, got 'fast'" in r.stderr
