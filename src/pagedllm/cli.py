@@ -1,4 +1,4 @@
-"""Command line: ``pagedllm generate | chat | serve | trace | bench``.
+"""Command line: ``pagedllm generate | chat | serve | trace | simulate | bench``.
 
 ``generate`` prints the completion as it streams, then a one-line summary (tokens/s, peak KV
 blocks used / total). ``chat`` is an interactive conversation with the chat template applied.
@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import importlib
 import json
+import math
 import os
 import sys
 import time
@@ -242,6 +243,41 @@ def make_parser() -> argparse.ArgumentParser:
     tr.add_argument("--seed", type=int, default=0)
     tr.add_argument("--out", required=True, help="the JSONL file to write")
     tr.set_defaults(func=cmd_trace)
+    sim = sub.add_parser("simulate", help="replay a trace through the real scheduler and KV manager with a "
+                                          "step-time model: any model shape, any device, paged vs contiguous")
+    src = sim.add_mutually_exclusive_group()
+    src.add_argument("--trace", default=None, help="a JSONL trace (pagedllm trace writes one)")
+    src.add_argument("--workload", default="sharegpt", choices=["sharegpt", "alpaca", "chat", "code"],
+                     help="generate the trace instead (with --num-requests, --rate, --seed)")
+    sim.add_argument("--num-requests", type=int, default=1000)
+    sim.add_argument("--rate", type=float, default=math.inf, help="Poisson arrivals per second (inf: all at t=0)")
+    sim.add_argument("--seed", type=int, default=0)
+    sim.add_argument("--model", default="llama-2-13b", help="a model shape preset (see docs/simulator.md)")
+    sim.add_argument("--device", default="a100-80gb", help="a device preset (see docs/simulator.md)")
+    sim.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    sim.add_argument("--kv-dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    sim.add_argument("--kv-memory", default=None, help="KV pool: bytes ('8GiB') or a share of what the weights "
+                                                      "leave ('25%%'); default: --memory-utilization")
+    sim.add_argument("--memory-utilization", type=float, default=0.9,
+                     help="share of the device's memory for weights + KV (vLLM's gpu_memory_utilization)")
+    sim.add_argument("--block-size", type=int, default=16)
+    sim.add_argument("--max-num-seqs", type=int, default=None, help="default 256 (--calibrate: the engine's 64)")
+    sim.add_argument("--max-num-batched-tokens", type=int, default=None,
+                     help="default 8192 (--calibrate: the engine's 1024)")
+    sim.add_argument("--max-model-len", type=int, default=4096)
+    sim.add_argument("--layout", default="both", choices=["both", "paged", "contiguous"])
+    sim.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                     help="prefix caching for the paged layout")
+    sim.add_argument("--plot", default=None, help="a folder for PNG plots")
+    sim.add_argument("--json", default=None, help="also write the report to this file")
+    sim.add_argument("--no-progress", action="store_true")
+    cal = sim.add_argument_group("calibration (--calibrate: fit this CPU's step-time model to the real engine)")
+    cal.add_argument("--calibrate", action="store_true")
+    cal.add_argument("--engine-model", default=None, help="the model the engine runs (default: the embedded one)")
+    cal.add_argument("--calibration-workload", default="alpaca", choices=["sharegpt", "alpaca", "chat", "code"])
+    cal.add_argument("--calibration-requests", type=int, default=48)
+    cal.add_argument("--validate", default="sharegpt,code", help="held-out workloads, comma-separated")
+    sim.set_defaults(func=cmd_bench, bench_module="simulate_cmd")
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(dest="bench", required=True)
 
