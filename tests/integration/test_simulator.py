@@ -102,3 +102,22 @@ def test_the_simulator_imports_no_torch():
             "print('torch' in sys.modules)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and r.stdout.strip() == "False", r.stderr
+
+
+def test_calibration_fit_recovers_the_rates_that_made_the_samples():
+    import random
+
+    from pagedllm.bench.calibrate import fit
+    from pagedllm.bench.shapes import get_device
+
+    rng = random.Random(0)
+    samples = []
+    for _ in range(200):
+        flops, bytes_, seqs = rng.uniform(1e9, 5e11), rng.uniform(2.7e8, 4e8), rng.randint(1, 64)
+        samples.append((flops, bytes_, seqs, flops / 150e9 + bytes_ / 12e9 + 8e-4 * seqs))
+    device = fit(samples, get_device("this-cpu"))
+    assert abs(device.peak_flops / 150e9 - 1) < 1e-6 and abs(device.bandwidth / 12e9 - 1) < 1e-6
+    assert abs(device.seq_overhead_s / 8e-4 - 1) < 1e-6 and not device.overlap
+    # a term that only hurts the fit (negative) is dropped, not kept at a negative rate
+    noisy = [(f, b, n, f / 150e9 + 8e-4 * n - b * 1e-12) for f, b, n, _ in samples]
+    assert fit(noisy, get_device("this-cpu")).bandwidth == 1e30

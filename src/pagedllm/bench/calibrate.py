@@ -3,11 +3,11 @@ then check it on workloads the fit did not see.
 
 The engine runs a calibration trace (all requests at t=0); every step's FLOPs, bytes and sequence
 count (``StepTimeModel.features`` of the step's ``SchedulerOutput``) and its measured seconds
-become one sample. A least-squares fit of ``seconds = a * FLOPs + b * bytes + c + d * sequences``
-(coefficients kept non-negative) gives this CPU's ``Device``: compute efficiency 1 / (a * peak),
-bandwidth efficiency 1 / (b * bandwidth), overheads c and d, compute and memory adding up
-(``overlap=False``). Held-out traces are then run both ways -- the engine, and the simulator with
-the fitted device on the same scheduler and pool -- and the output tokens/s compared.
+become one sample. A least-squares fit of ``seconds = a * FLOPs + b * bytes + d * sequences``
+(coefficients kept non-negative; ``fit``) gives this CPU's ``Device``: 1 / a FLOP/s, 1 / b bytes/s,
+d seconds per sequence, compute and memory adding up (``overlap=False``). Held-out traces are
+then run both ways -- the engine, and the simulator with the fitted device on the same scheduler
+and pool -- and the output tokens/s compared.
 """
 
 from __future__ import annotations
@@ -70,26 +70,30 @@ def run_engine(llm, trace: list[TraceRequest], timing: StepTimeModel) -> dict:
 
 
 def fit(samples: list[tuple[float, float, int, float]], base: Device) -> Device:
-    """Non-negative least squares over (FLOPs, bytes, 1, sequences) -> seconds, by dropping the
-    most negative coefficient and refitting until none is negative."""
-    x = np.array([[f, b, 1.0, n] for f, b, n, _ in samples])
+    """Non-negative least squares of seconds over (FLOPs, bytes, sequences), no intercept: the
+    weights' bytes are read every step, so the bytes term already carries the fixed part (an
+    intercept beside it is nearly collinear and made the fit unstable). Drops the most negative
+    coefficient and refits until none is negative. The device's rates become the fitted ones
+    (``peak_flops`` = 1 / a, ``bandwidth`` = 1 / b, efficiencies 1): a rate per nominal byte, as
+    ``StepTimeModel`` counts the weights at the model dtype whatever kernel reads them."""
+    x = np.array([[f, b, n] for f, b, n, _ in samples], dtype=float)
     y = np.array([s for *_, s in samples])
     scale = x.max(axis=0)
     scale[scale == 0] = 1.0
-    active = [0, 1, 2, 3]
+    active = [0, 1, 2]
     while True:
         coef, *_ = np.linalg.lstsq(x[:, active] / scale[active], y, rcond=None)
         if (coef >= 0).all() or len(active) == 1:
             break
         active.pop(int(np.argmin(coef)))
-    full = np.zeros(4)
+    full = np.zeros(3)
     full[active] = np.maximum(coef, 0) / scale[active]
-    a, b, c, d = full
+    a, b, d = full
+    unbounded = 1e30  # a term the fit dropped: it costs nothing
     return dataclasses.replace(
-        base, name=f"{base.name}, calibrated",
-        compute_efficiency=min(1.0, 1 / (a * base.peak_flops)) if a > 0 else 1.0,
-        bandwidth_efficiency=min(1.0, 1 / (b * base.bandwidth)) if b > 0 else 1.0,
-        step_overhead_s=float(c), seq_overhead_s=float(d), overlap=False)
+        base, name=f"{base.name}, calibrated", peak_flops=1 / a if a > 0 else unbounded,
+        bandwidth=1 / b if b > 0 else unbounded, compute_efficiency=1.0, bandwidth_efficiency=1.0,
+        step_overhead_s=0.0, seq_overhead_s=float(d), overlap=False)
 
 
 def predicted_tokens_per_s(llm, trace: list[TraceRequest], timing: StepTimeModel) -> float:
@@ -132,9 +136,8 @@ def main(args) -> dict:
                                         "error": round(sim / real - 1, 3)}
     d = report["device"]
     print(f"fitted on {n} {args.calibration_workload} requests ({report['calibration']['steps']} steps): "
-          f"compute efficiency {d['compute_efficiency']:.3f} of {d['peak_flops'] / 1e9:.0f} GFLOP/s, bandwidth "
-          f"efficiency {d['bandwidth_efficiency']:.3f} of {d['bandwidth'] / 1e9:.0f} GB/s, "
-          f"{1e3 * d['step_overhead_s']:.2f} ms per step + {1e3 * d['seq_overhead_s']:.3f} ms per sequence")
+          f"{d['peak_flops'] / 1e9:.1f} GFLOP/s + {d['bandwidth'] / 1e9:.2f} GB/s (weights at the model dtype, "
+          f"K/V) + {1e3 * d['seq_overhead_s']:.3f} ms per sequence, added up")
     print(f"{'workload':<12}{'engine tok/s':>14}{'simulated':>12}{'error':>8}")
     c = report["calibration"]
     print(f"{args.calibration_workload + '*':<12}{c['engine_tokens_per_s']:>14}{c['simulated_tokens_per_s']:>12}"

@@ -4,9 +4,9 @@
 the weights' bytes and the FLOPs of a step's tokens; ``Device`` gives memory, peak compute and
 bandwidth, with the fraction of each a real engine reaches (``compute_efficiency``,
 ``bandwidth_efficiency``) and a fixed cost per step and per sequence (Python, launches). The
-presets' peaks are the vendors' dense bf16 figures; the efficiencies of ``this-cpu`` are
-calibrated against the real engine on this machine (``pagedllm simulate --calibrate``), the
-GPUs' are stated assumptions (docs/simulator.md). No torch here.
+GPU presets' peaks are the vendors' dense bf16 figures and their efficiencies stated assumptions;
+``this-cpu`` holds the rates calibrated against the real engine on this machine (``pagedllm
+simulate --calibrate``; docs/simulator.md). No torch here.
 """
 
 from __future__ import annotations
@@ -97,10 +97,10 @@ DEVICES = {
     "a100-80gb": Device("A100-80GB", 80 * 10**9, 312e12, 2.039e12, step_overhead_s=0.004, seq_overhead_s=2e-5),
     "h100": Device("H100-80GB SXM", 80 * 10**9, 989e12, 3.35e12, step_overhead_s=0.003, seq_overhead_s=1.5e-5),
     "h200": Device("H200", 141 * 10**9, 989e12, 4.8e12, step_overhead_s=0.003, seq_overhead_s=1.5e-5),
-    # this machine (2 vCPUs): the roof measured by `pagedllm bench matmul` (159 GFLOP/s float32-widened
-    # GEMMs) and ~9 GB/s streamed; efficiencies and overheads from `pagedllm simulate --calibrate`
-    "this-cpu": Device("this CPU (2 vCPUs)", 24 * GiB, 159e9, 9e9, compute_efficiency=0.9, bandwidth_efficiency=0.9,
-                       step_overhead_s=0.002, seq_overhead_s=1e-4),
+    # this machine (2 vCPUs, the Xeon of docs/benchmarks.md): the rates `pagedllm simulate --calibrate`
+    # fitted to the real engine (SmolLM2, bf16), compute and memory adding up (docs/simulator.md)
+    "this-cpu": Device("this CPU (2 vCPUs, calibrated)", 24 * GiB, 153.5e9, 10.83e9, compute_efficiency=1.0,
+                       bandwidth_efficiency=1.0, seq_overhead_s=7.8e-4, overlap=False),
 }
 
 

@@ -13,16 +13,23 @@ from pagedllm.kvcache.block import Block
 class BlockTable:
     """Logical -> physical block ids of one request, and its number of reserved slots."""
 
-    __slots__ = ("block_size", "blocks", "num_slots")
+    __slots__ = ("block_size", "blocks", "num_slots", "_ids")
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
-        self.blocks: list[Block] = []
+        self.blocks: list[Block] = []  # change only through append_blocks / replace (ids are kept beside)
         self.num_slots = 0
+        self._ids: list[int] = []
 
     @property
     def block_ids(self) -> list[int]:
-        return [b.block_id for b in self.blocks]
+        """A copy (the scheduler hands it out every step: a list copy, not a walk over the blocks)."""
+        return self._ids.copy()
+
+    def replace(self, index: int, block: Block) -> None:
+        """Logical block ``index`` now maps to ``block`` (copy on write)."""
+        self.blocks[index] = block
+        self._ids[index] = block.block_id
 
     def blocks_needed(self, num_slots: int) -> int:
         """How many more blocks reserving ``num_slots`` slots in total would take."""
@@ -30,6 +37,7 @@ class BlockTable:
 
     def append_blocks(self, blocks: list[Block], num_slots: int) -> None:
         self.blocks.extend(blocks)
+        self._ids.extend(b.block_id for b in blocks)
         self.num_slots = max(self.num_slots, num_slots)
         assert len(self.blocks) * self.block_size >= self.num_slots
 
@@ -40,5 +48,5 @@ class BlockTable:
     def slots(self, start: int, end: int) -> list[int]:
         """Slots of positions ``start..end-1``."""
         bs = self.block_size
-        ids = self.block_ids
+        ids = self._ids
         return [ids[p // bs] * bs + p % bs for p in range(start, end)]

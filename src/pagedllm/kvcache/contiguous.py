@@ -70,12 +70,9 @@ class ContiguousKVCacheManager:
         pass
 
     def _first_fit(self, n: int) -> int | None:
-        run = 0
-        for i, u in enumerate(self.used):
-            run = 0 if u else run + 1
-            if run == n:
-                return i - n + 1
-        return None
+        """The first run of ``n`` free blocks (a byte search: this runs at every admission attempt)."""
+        start = self.used.find(bytes(n))
+        return None if start < 0 else start
 
     def _reserve(self, request_id: str, n: int) -> BlockTable | None:
         """A first-fit run of ``n`` blocks as the request's table, or None (counted as a stall)."""

@@ -36,7 +36,7 @@ class CopyOnWrite:
         """Give ``table`` a private copy of its shared block ``index`` (one free block needed)."""
         shared = table.blocks[index]
         (copy,) = allocator.allocate(1)
-        table.blocks[index] = copy
+        table.replace(index, copy)
         allocator.decref(shared)
         self.add(shared.block_id, copy.block_id)
 

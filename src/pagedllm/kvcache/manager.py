@@ -272,5 +272,6 @@ class KVCacheManager:
             assert block.block_hash == h, f"cache entry {h:x} points at {block} with another hash"
         for t in self.tables.values():
             assert len(t.blocks) * self.block_size >= t.num_slots
+            assert t.block_ids == [b.block_id for b in t.blocks], "a table's cached ids differ from its blocks"
         if self.swap is not None:
             self.swap.check_invariants()
