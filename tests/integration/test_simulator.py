@@ -82,6 +82,10 @@ def test_simulated_times_follow_the_step_model_and_requests_too_long_are_rejecte
     # the second arrives after the first has finished: the clock jumps to its arrival
     assert second.arrival == 5.0 and second.first_token > 5.0 and first.finish < 5.0
     assert res.kv["num_free_blocks"] == 64 and res.summary()["rejected"] == 1
+    # the last arrival refused too: the replay ends instead of waiting for a next arrival
+    late = simulate(trace + [TraceRequest(arrival=9.0, prompt_len=600, output_len=1)], timing, cache, sched, 64,
+                    vocab_size=512)
+    assert [r.status for r in late.requests] == ["length", "length", "rejected", "rejected"]
 
 
 def test_paged_holds_more_concurrent_sequences_than_contiguous_at_the_same_budget():

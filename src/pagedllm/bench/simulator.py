@@ -174,7 +174,8 @@ def simulate(trace: list[TraceRequest], timing: StepTimeModel, cache: CacheConfi
             sched.add(Request(rec.request_id, prompt_token_ids(r, vocab, int(rec.request_id)), params, r.output_len,
                               arrival_time=rec.arrival))
         if not sched.has_unfinished():
-            clock = max(clock, pending[0][0].arrival)
+            if pending:  # idle until the next arrival (the last ones may all have been rejected)
+                clock = max(clock, pending[0][0].arrival)
             continue
         out = sched.schedule()
         if out.is_empty:

@@ -20,6 +20,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from pagedllm.bench.timers import time_calls
 
+ROUNDS = 4  # alternations of plain and profiled steps
+
 
 def main(args) -> dict:
     from pagedllm import LLM, SamplingParams
@@ -45,22 +47,36 @@ def main(args) -> dict:
         time_calls(layer_ops, "q8_0_linear", cpp_matmul)
         for name in ("rms_norm", "add_rms_norm", "silu_mul"):
             time_calls(layer_ops, name, cpp_other)
-    t0 = time.perf_counter()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for _ in range(args.steps):
+    # Profiled and plain blocks of steps alternate (ROUNDS of each), so that the machine's drift
+    # (+-30% within minutes here) lands on both sides instead of between them.
+    per_round = max(1, args.steps // ROUNDS)
+    ops: dict[str, float] = {}
+    timed = {"attention": 0.0, "cpp_matmul": 0.0, "cpp_other": 0.0}
+    profiled_s = plain_s = 0.0
+    for _ in range(ROUNDS):
+        t1 = time.perf_counter()
+        for _ in range(per_round):
             engine.step()
-    total = (time.perf_counter() - t0) / args.steps
-    ops = {e.key: e.self_cpu_time_total / 1e6 / args.steps for e in prof.key_averages()}
+        plain_s += time.perf_counter() - t1
+        before = {"attention": attention[0], "cpp_matmul": cpp_matmul[0], "cpp_other": cpp_other[0]}
+        t0 = time.perf_counter()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(per_round):
+                engine.step()
+        profiled_s += time.perf_counter() - t0
+        for k, bucket in (("attention", attention), ("cpp_matmul", cpp_matmul), ("cpp_other", cpp_other)):
+            timed[k] += bucket[0] - before[k]
+        for e in prof.key_averages():
+            ops[e.key] = ops.get(e.key, 0.0) + e.self_cpu_time_total / 1e6
+    n = per_round * ROUNDS
+    total, plain = profiled_s / n, plain_s / n
+    ops = {k: v / n for k, v in ops.items()}
     matmul_ops = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_weight_int4pack_mm_for_cpu",
                   "mkldnn::_linear_pointwise")
-    matmul = sum(v for k, v in ops.items() if k in matmul_ops) + cpp_matmul[0] / args.steps
+    matmul = sum(v for k, v in ops.items() if k in matmul_ops) + timed["cpp_matmul"] / n
     other_ops = sum(v for k, v in ops.items() if k.startswith("aten::") and k not in matmul_ops) + (
-        cpp_other[0] / args.steps)
-    attention_s = attention[0] / args.steps
-    t1 = time.perf_counter()
-    for _ in range(args.steps):
-        engine.step()
-    plain = (time.perf_counter() - t1) / args.steps
+        timed["cpp_other"] / n)
+    attention_s = timed["attention"] / n
     # The profiler's own bookkeeping (microseconds per recorded op, between the ops) inflates the
     # profiled step by a fifth at batch 1: Python and glue is what the unprofiled step spends
     # outside the measured ops, and every share is of the unprofiled step.
