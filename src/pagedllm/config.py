@@ -16,7 +16,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
-from pydantic import ByteSize, ConfigDict, Field, ValidationError
+from pydantic import BeforeValidator, ByteSize, ConfigDict, Field, ValidationError
 from pydantic.dataclasses import dataclass as pydantic_dataclass
 
 from pagedllm.kvcache.contiguous import RESERVATIONS
@@ -32,6 +32,24 @@ ATTENTION_BACKENDS = ("auto", "cpu", "triton", "reference")
 PositiveInt = Annotated[int, Field(strict=True, ge=1)]
 BlockSize = Annotated[int, Field(strict=True, ge=MIN_BLOCK_SIZE, le=MAX_BLOCK_SIZE)]
 Bytes = Annotated[ByteSize, Field(gt=0)]  # an int, or a string such as "512MiB" / "2GB"
+
+
+def _memory_share(value):
+    """"25 %" -> "25%"; a share outside (0%, 100%] raises (ByteSize alone would read "25%" as 25 bytes)."""
+    if isinstance(value, str) and value.strip().endswith("%"):
+        try:
+            share = float(value.strip()[:-1])
+        except ValueError:
+            raise ValueError(f"{value!r} is not a share of free memory such as 25%") from None
+        if not 0 < share <= 100:
+            raise ValueError(f"a share of free memory must be above 0% and at most 100%, got {value!r}")
+        return f"{share:g}%"
+    return value
+
+
+# bytes, or a share of the device's free memory when the engine is built, such as "25%"
+MemoryBudget = Annotated[Annotated[str, Field(pattern=r"%$")] | Bytes, Field(union_mode="left_to_right"),
+                         BeforeValidator(_memory_share)]
 _STRICT = ConfigDict(validate_default=True, extra="forbid")
 
 
@@ -68,7 +86,8 @@ class CacheConfig:
     """The paged KV pool: block size, its size (bytes or blocks), caching, eviction, layout, swap."""
 
     block_size: BlockSize = Field(16, description=f"tokens per KV block ({MIN_BLOCK_SIZE}..{MAX_BLOCK_SIZE})")
-    kv_cache_memory: Bytes = Field("512MiB", description="KV pool size, e.g. 512MiB or 2GB")
+    kv_cache_memory: MemoryBudget = Field(
+        "512MiB", description="KV pool size, e.g. 512MiB or 2GB, or a share of the device's free memory, e.g. 25%")
     num_kv_blocks: PositiveInt | None = Field(None, description="KV pool size in blocks (overrides kv_cache_memory)")
     enable_prefix_caching: Annotated[bool, Field(strict=True)] = Field(
         True, description="reuse cached full blocks of earlier prompts (paged layout only)")

@@ -55,3 +55,29 @@ def test_configs_are_frozen_and_engine_options_split_into_them():
         opts.block_size = 8
     assert opts.cache_config() == CacheConfig(block_size=32, kv_cache_memory=2**30, kv_layout="contiguous")
     assert opts.scheduler_config(512) == SchedulerConfig(max_num_seqs=4, max_model_len=512)
+
+
+@pytest.mark.parametrize("share,normalised", [("25%", "25%"), (" 100 %", "100%"), ("0.5%", "0.5%")])
+def test_kv_cache_memory_accepts_a_share_of_free_memory(share, normalised):
+    assert CacheConfig(kv_cache_memory=share).kv_cache_memory == normalised
+
+
+@pytest.mark.parametrize("bad,message", [("0%", "above 0%"), ("101%", "at most 100%"), ("-5%", "above 0%"),
+                                         ("x%", "not a share of free memory")])
+def test_bad_shares_of_free_memory_rejected(bad, message):
+    with pytest.raises(ValueError, match=message):
+        CacheConfig(kv_cache_memory=bad)
+
+
+def test_a_share_of_free_memory_sizes_the_pool_from_what_the_host_has_free():
+    import torch
+
+    from pagedllm.config import ModelConfig
+    from pagedllm.kvstore.storage import bytes_per_block, free_device_memory, num_blocks_for
+
+    model = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                        num_kv_heads=2, head_dim=16, max_position_embeddings=512)
+    per_block = bytes_per_block(model, 16, torch.float32)
+    free = free_device_memory("cpu")
+    n = num_blocks_for(model, CacheConfig(kv_cache_memory="1%"), torch.float32, "cpu")
+    assert abs(n - 0.01 * free / per_block) <= 0.001 * free / per_block + 1  # free memory moves a little

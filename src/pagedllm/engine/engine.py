@@ -70,7 +70,7 @@ class Engine:
         self.config = config
         self.tokenizer = tokenizer
         dtype = _DTYPES[config.dtype]
-        num_blocks = num_blocks_for(config.model, config.cache, dtype)
+        num_blocks = num_blocks_for(config.model, config.cache, dtype, config.device)
         cc = config.cache
         swapping = config.scheduler.preemption_mode == "swap" and cc.kv_layout == "paged"
         num_host_blocks = cc.swap_space // bytes_per_block(config.model, cc.block_size, dtype) if swapping else 0
