@@ -16,7 +16,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
-from pydantic import BeforeValidator, ByteSize, ConfigDict, Field, ValidationError
+from pydantic import ByteSize, ConfigDict, Field, PlainValidator, TypeAdapter, ValidationError
 from pydantic.dataclasses import dataclass as pydantic_dataclass
 
 from pagedllm.kvcache.contiguous import RESERVATIONS
@@ -34,8 +34,13 @@ BlockSize = Annotated[int, Field(strict=True, ge=MIN_BLOCK_SIZE, le=MAX_BLOCK_SI
 Bytes = Annotated[ByteSize, Field(gt=0)]  # an int, or a string such as "512MiB" / "2GB"
 
 
-def _memory_share(value):
-    """"25 %" -> "25%"; a share outside (0%, 100%] raises (ByteSize alone would read "25%" as 25 bytes)."""
+_BYTE_SIZE = TypeAdapter(ByteSize)
+
+
+def _memory_budget(value):
+    """Bytes (an int, "512MiB", "2GB") as a ``ByteSize``, or a share of free memory ("25 %" ->
+    "25%"), with one plain message when it is neither (a union of the two types would report
+    both branches' errors; and ByteSize alone reads "25%" as 25 bytes)."""
     if isinstance(value, str) and value.strip().endswith("%"):
         try:
             share = float(value.strip()[:-1])
@@ -44,12 +49,19 @@ def _memory_share(value):
         if not 0 < share <= 100:
             raise ValueError(f"a share of free memory must be above 0% and at most 100%, got {value!r}")
         return f"{share:g}%"
-    return value
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise ValueError("give bytes (e.g. 512MiB, 2GB, 1073741824) or a share of free memory (e.g. 25%)")
+    try:
+        size = _BYTE_SIZE.validate_python(value)
+    except ValidationError as e:
+        raise ValueError(f"{e.errors()[0]['msg']}: give e.g. 512MiB, 2GB or 25%") from None
+    if size <= 0:
+        raise ValueError("must be more than 0 bytes")
+    return size
 
 
 # bytes, or a share of the device's free memory when the engine is built, such as "25%"
-MemoryBudget = Annotated[Annotated[str, Field(pattern=r"%$")] | Bytes, Field(union_mode="left_to_right"),
-                         BeforeValidator(_memory_share)]
+MemoryBudget = Annotated[ByteSize | str, PlainValidator(_memory_budget)]
 _STRICT = ConfigDict(validate_default=True, extra="forbid")
 
 

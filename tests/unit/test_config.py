@@ -81,3 +81,15 @@ def test_a_share_of_free_memory_sizes_the_pool_from_what_the_host_has_free():
     free = free_device_memory("cpu")
     n = num_blocks_for(model, CacheConfig(kv_cache_memory="1%"), torch.float32, "cpu")
     assert abs(n - 0.01 * free / per_block) <= 0.001 * free / per_block + 1  # free memory moves a little
+
+
+@pytest.mark.parametrize("bad,message", [("lots", "could not parse value and unit"), ("12 parsecs", "byte unit"),
+                                         (None, "give bytes"), (True, "give bytes"), (0, "more than 0 bytes")])
+def test_a_bad_kv_cache_memory_gets_one_precise_message(bad, message):
+    from pagedllm.engine.engine import Engine
+    from pagedllm.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message) as info:
+        Engine.from_options(kv_cache_memory=bad)
+    text = str(info.value)
+    assert text.count("kv_cache_memory") == 1 and "constrained" not in text and "function-after" not in text
