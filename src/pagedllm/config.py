@@ -37,7 +37,7 @@ Bytes = Annotated[ByteSize, Field(gt=0)]  # an int, or a string such as "512MiB"
 _BYTE_SIZE = TypeAdapter(ByteSize)
 
 
-def _memory_budget(value):
+def parse_memory_budget(value):
     """Bytes (an int, "512MiB", "2GB") as a ``ByteSize``, or a share of free memory ("25 %" ->
     "25%"), with one plain message when it is neither (a union of the two types would report
     both branches' errors; and ByteSize alone reads "25%" as 25 bytes)."""
@@ -61,7 +61,7 @@ def _memory_budget(value):
 
 
 # bytes, or a share of the device's free memory when the engine is built, such as "25%"
-MemoryBudget = Annotated[ByteSize | str, PlainValidator(_memory_budget)]
+MemoryBudget = Annotated[ByteSize | str, PlainValidator(parse_memory_budget)]
 _STRICT = ConfigDict(validate_default=True, extra="forbid")
 
 

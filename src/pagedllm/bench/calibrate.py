@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pagedllm.bench.shapes import Device, ModelShape, get_device
+from pagedllm.bench.shapes import DTYPE_BYTES, Device, ModelShape, get_device
 from pagedllm.bench.simulator import StepTimeModel, simulate
 from pagedllm.bench.traces import TraceRequest, make_trace, prompt_token_ids
 
@@ -91,7 +91,7 @@ def fit(samples: list[tuple[float, float, int, float]], base: Device) -> Device:
     a, b, d = full
     unbounded = 1e30  # a term the fit dropped: it costs nothing
     return dataclasses.replace(
-        base, name=f"{base.name}, calibrated", peak_flops=1 / a if a > 0 else unbounded,
+        base, name="this CPU (fitted)", peak_flops=1 / a if a > 0 else unbounded,
         bandwidth=1 / b if b > 0 else unbounded, compute_efficiency=1.0, bandwidth_efficiency=1.0,
         step_overhead_s=0.0, seq_overhead_s=float(d), overlap=False)
 
@@ -111,7 +111,7 @@ def main(args) -> dict:
     cfg = llm.engine.config
     shape = shape_of(cfg.model)
     base = get_device("this-cpu")
-    dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}[cfg.dtype]
+    dtype_bytes = DTYPE_BYTES[cfg.dtype]
     timing = StepTimeModel(shape, base, dtype_bytes, dtype_bytes)
     n = args.calibration_requests
     calibration = at_once(make_trace(args.calibration_workload, n, seed=args.seed))
@@ -126,7 +126,7 @@ def main(args) -> dict:
                               "steps": len(measured["samples"]),
                               "engine_tokens_per_s": round(measured["output_tokens_per_s"], 1),
                               "simulated_tokens_per_s": predicted_tokens_per_s(llm, calibration, fitted)},
-              "device": {k: v for k, v in dataclasses.asdict(device).items()},
+              "device": dataclasses.asdict(device),
               "held_out": {}}
     for workload in args.validate.split(","):
         trace = at_once(make_trace(workload, n, seed=args.seed + 1))

@@ -15,29 +15,23 @@ import math
 import time
 from pathlib import Path
 
-from pagedllm.bench.shapes import get_device, get_model
+from pagedllm.bench.shapes import DTYPE_BYTES, get_device, get_model
 from pagedllm.bench.simulator import SimulationResult, StepTimeModel, simulate
 from pagedllm.bench.traces import make_trace, read_trace
-from pagedllm.config import CacheConfig, SchedulerConfig
-
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+from pagedllm.config import CacheConfig, SchedulerConfig, parse_memory_budget
 
 
 def kv_pool_bytes(device_memory: int, weight_bytes: int, kv_memory: str | None, utilization: float) -> int:
     """Bytes for KV blocks: ``kv_memory`` ("8GiB", "25%" of what the weights leave), else
     ``utilization`` x memory - weights. Raises when nothing is left."""
     left = device_memory - weight_bytes
-    if kv_memory is None:
+    budget = None if kv_memory is None else parse_memory_budget(kv_memory)  # the engine's own parser
+    if budget is None:
         pool = int(utilization * device_memory) - weight_bytes
-    elif kv_memory.strip().endswith("%"):
-        share = float(kv_memory.strip()[:-1]) / 100
-        if not 0 < share <= 1:
-            raise ValueError(f"--kv-memory {kv_memory!r}: a share must be in (0%, 100%]")
-        pool = int(share * left)
+    elif isinstance(budget, str):  # "25%"
+        pool = int(float(budget[:-1]) / 100 * left)
     else:
-        from pydantic import ByteSize, TypeAdapter
-
-        pool = int(TypeAdapter(ByteSize).validate_python(kv_memory))
+        pool = int(budget)
         if pool > left:
             raise ValueError(f"--kv-memory {kv_memory} does not fit: the weights leave {left / 2**30:.1f} GiB")
     if pool <= 0:

@@ -27,8 +27,7 @@ from pagedllm.config import CacheConfig, SchedulerConfig
 from pagedllm.engine.request import Request, RequestStatus
 from pagedllm.engine.sampling_params import SamplingParams
 from pagedllm.engine.scheduler import Scheduler, SchedulerOutput
-from pagedllm.kvcache.contiguous import ContiguousKVCacheManager
-from pagedllm.kvcache.manager import KVCacheManager
+from pagedllm.kvcache.factory import make_kv_manager
 
 STAND_IN_TOKEN = 7  # what every simulated sample returns
 
@@ -137,13 +136,6 @@ def _quantile(sorted_values: list[float], q: float) -> float | None:
     return round(sorted_values[i], 4)
 
 
-def make_manager(cache: CacheConfig, num_blocks: int, max_model_len: int):
-    if cache.kv_layout == "contiguous":
-        return ContiguousKVCacheManager(num_blocks, cache.block_size, max_model_len, cache.contiguous_reservation)
-    return KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching, cache.eviction_policy, 0,
-                          cache.prefix_caching_hash_algo)
-
-
 def simulate(trace: list[TraceRequest], timing: StepTimeModel, cache: CacheConfig, scheduler: SchedulerConfig,
              num_blocks: int, vocab_size: int | None = None, on_step=None, progress=None) -> SimulationResult:
     """Replay ``trace`` (sorted by arrival) on a pool of ``num_blocks`` blocks; ``on_step(manager)``
@@ -151,7 +143,7 @@ def simulate(trace: list[TraceRequest], timing: StepTimeModel, cache: CacheConfi
     if scheduler.preemption_mode == "swap":
         raise ValueError("the simulator replays preemption_mode='recompute' only (no host tier model yet)")
     vocab = vocab_size or timing.model.vocab_size
-    kv = make_manager(cache, num_blocks, scheduler.max_model_len)
+    kv = make_kv_manager(cache, num_blocks, scheduler.max_model_len)
     sched = Scheduler(scheduler, kv)
     records = [RequestRecord(str(i), r.arrival, r.prompt_len or 0, r.output_len) for i, r in enumerate(trace)]
     by_id = {rec.request_id: rec for rec in records}

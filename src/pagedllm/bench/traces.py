@@ -175,11 +175,10 @@ def make_trace(workload: str, n: int, rate: float = math.inf, seed: int = 0) -> 
     return generators[workload](n, rate, seed)
 
 
-def _stream(name: str, start: int, count: int, vocab_size: int, first_token: int) -> list[int]:
-    """Tokens start..start+count of a deterministic stream named ``name`` (same name, same tokens)."""
+def _stream(name: str, count: int, vocab_size: int, first_token: int) -> list[int]:
+    """The first ``count`` tokens of a deterministic stream named ``name`` (same name, same tokens)."""
     rng = random.Random(name)
-    ids = [rng.randrange(first_token, vocab_size) for _ in range(start + count)]
-    return ids[start:]
+    return [rng.randrange(first_token, vocab_size) for _ in range(count)]
 
 
 def prompt_token_ids(r: TraceRequest, vocab_size: int, index: int, first_token: int = 100) -> list[int]:
@@ -188,9 +187,9 @@ def prompt_token_ids(r: TraceRequest, vocab_size: int, index: int, first_token: 
     its position in the trace). Ids start at ``first_token``, past the special tokens."""
     if r.prompt_len is None:
         raise ValueError("the request has a text prompt: tokenize it instead")
-    head = _stream(f"prefix:{r.prefix_id}", 0, r.prefix_len, vocab_size, first_token) if r.prefix_len else []
+    head = _stream(f"prefix:{r.prefix_id}", r.prefix_len, vocab_size, first_token) if r.prefix_len else []
     rest = f"conversation:{r.conversation}" if r.conversation is not None else f"request:{index}"
-    return head + _stream(rest, 0, r.prompt_len - r.prefix_len, vocab_size, first_token)
+    return head + _stream(rest, r.prompt_len - r.prefix_len, vocab_size, first_token)
 
 
 def summary(trace: list[TraceRequest]) -> dict:

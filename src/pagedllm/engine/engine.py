@@ -34,8 +34,7 @@ from pagedllm.engine.sampling_params import SamplingParams
 from pagedllm.engine.scheduler import Scheduler, SchedulerOutput
 from pagedllm.engine.structured_output import StructuredOutputManager
 from pagedllm.errors import ConfigError, InvalidRequest, RequestTooLong
-from pagedllm.kvcache.contiguous import ContiguousKVCacheManager
-from pagedllm.kvcache.manager import KVCacheManager
+from pagedllm.kvcache.factory import make_kv_manager
 from pagedllm.kvstore.host_tier import HostTier
 from pagedllm.kvstore.storage import KVCacheStorage, bytes_per_block, num_blocks_for
 from pagedllm.models.layer_ops import get_layer_ops
@@ -74,12 +73,7 @@ class Engine:
         cc = config.cache
         swapping = config.scheduler.preemption_mode == "swap" and cc.kv_layout == "paged"
         num_host_blocks = cc.swap_space // bytes_per_block(config.model, cc.block_size, dtype) if swapping else 0
-        if cc.kv_layout == "contiguous":
-            self.kv_manager = ContiguousKVCacheManager(num_blocks, cc.block_size, config.scheduler.max_model_len,
-                                                       cc.contiguous_reservation)
-        else:
-            self.kv_manager = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching, cc.eviction_policy,
-                                             num_host_blocks, cc.prefix_caching_hash_algo)
+        self.kv_manager = make_kv_manager(cc, num_blocks, config.scheduler.max_model_len, num_host_blocks)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager)
         storage = KVCacheStorage.allocate(config.model, num_blocks, config.cache.block_size, dtype, config.device)
         backend = get_backend(attention_backend, config.device, config.model.head_dim)
