@@ -1,4 +1,4 @@
-"""Command line: ``pagedllm generate | chat | serve | trace | simulate | bench``.
+"""Command line: ``pagedllm generate | chat | serve | trace | simulate | plan | bench``.
 
 ``generate`` prints the completion as it streams, then a one-line summary (tokens/s, peak KV
 blocks used / total). ``chat`` is an interactive conversation with the chat template applied.
@@ -268,6 +268,8 @@ def make_parser() -> argparse.ArgumentParser:
     sim.add_argument("--layout", default="both", choices=["both", "paged", "contiguous"])
     sim.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                      help="prefix caching for the paged layout")
+    sim.add_argument("--price-per-hour", type=float, default=None,
+                     help="dollars per machine-hour for the cost row (default: the device preset's)")
     sim.add_argument("--plot", default=None, help="a folder for PNG plots")
     sim.add_argument("--json", default=None, help="also write the report to this file")
     sim.add_argument("--no-progress", action="store_true")
@@ -277,7 +279,52 @@ def make_parser() -> argparse.ArgumentParser:
     cal.add_argument("--calibration-workload", default="alpaca", choices=["sharegpt", "alpaca", "chat", "code"])
     cal.add_argument("--calibration-requests", type=int, default=48)
     cal.add_argument("--validate", default="sharegpt,code", help="held-out workloads, comma-separated")
+    sw = sim.add_argument_group("block size (--sweep-block-size: B_opt = argmin Memory(B)/B + alpha * Overhead(B))")
+    sw.add_argument("--sweep-block-size", action="store_true")
+    sw.add_argument("--block-sizes", default="8,16,32,64,128")
+    sw.add_argument("--alpha", type=float, default=0.3, help="weight of Overhead(B) (the mission's 0.2-0.5)")
+    sw.add_argument("--kernel-times", action="store_true",
+                    help="measure the C++ decode kernel at each B for Overhead(B) (smollm2-135m on this-cpu)")
+    sw.add_argument("--check-engine", action="store_true",
+                    help="run the real engine at B_opt and its neighbours (smollm2-135m on this-cpu, --kv-memory)")
+    sw.add_argument("--check-requests", type=int, default=32, help="the first N requests of the trace, at once")
+    sw.add_argument("--adaptive", action="store_true",
+                    help="also replay the trace with the dynamic block-size policy against each fixed B")
+    sw.add_argument("--start-block-size", type=int, default=16, help="the dynamic policy's first B")
+    pg = sim.add_argument_group("placement (--placements: merging adjacent blocks, a reserve of large blocks)")
+    pg.add_argument("--placements", action="store_true")
+    pg.add_argument("--reserve-share", type=float, default=0.25, help="share of the pool held in large blocks")
+    pg.add_argument("--run-blocks", type=int, default=4, help="blocks per large block (2-4)")
+    pg.add_argument("--threshold-blocks", type=int, default=8,
+                    help="a sequence holding this many blocks takes large ones")
     sim.set_defaults(func=cmd_bench, bench_module="simulate_cmd")
+    pl = sub.add_parser("plan", help="recommend block size, memory, batch limits and dtype for a trace, by simulation")
+    pl_src = pl.add_mutually_exclusive_group()
+    pl_src.add_argument("--trace", default=None, help="a JSONL trace (pagedllm trace writes one)")
+    pl_src.add_argument("--workload", default="sharegpt", choices=["sharegpt", "alpaca", "chat", "code"],
+                        help="generate the trace instead (with --num-requests, --rate, --seed)")
+    pl.add_argument("--num-requests", type=int, default=1000)
+    pl.add_argument("--rate", type=float, default=math.inf, help="Poisson arrivals per second (inf: all at t=0)")
+    pl.add_argument("--seed", type=int, default=0)
+    pl.add_argument("--model", default="llama-2-13b", help="a model shape preset (see docs/simulator.md)")
+    pl.add_argument("--device", default="a100-80gb", help="a device preset (see docs/simulator.md)")
+    pl.add_argument("--dtypes", default="bfloat16,float32",
+                    help="dtypes to consider for the KV cache (the engine keeps K/V in the model's dtype)")
+    pl.add_argument("--block-sizes", default="8,16,32,64,128")
+    pl.add_argument("--alpha", type=float, default=0.3, help="the block-size formula's weight of Overhead(B)")
+    pl.add_argument("--memory-shares", default="10%,20%,30%,50%,70%,90%",
+                    help="KV pool sizes to try, as shares of the memory the weights leave")
+    pl.add_argument("--memory-utilization", type=float, default=0.9,
+                    help="share of the device's memory for weights + KV (vLLM's gpu_memory_utilization)")
+    pl.add_argument("--tolerance", type=float, default=0.02,
+                    help="the smallest KV memory within this share of the best throughput is recommended")
+    pl.add_argument("--max-num-seqs", default="64,128,256")
+    pl.add_argument("--max-num-batched-tokens", default="2048,4096,8192")
+    pl.add_argument("--max-model-len", type=int, default=4096)
+    pl.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    pl.add_argument("--json", default=None, help="also write the plan to this file")
+    pl.add_argument("--no-progress", action="store_true")
+    pl.set_defaults(func=cmd_bench, bench_module="plan")
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(dest="bench", required=True)
 
@@ -333,6 +380,8 @@ def make_parser() -> argparse.ArgumentParser:
     at.add_argument("--repeats", type=int, default=10)
     at.add_argument("--device", default="cpu")
     at.add_argument("--plot", default=None)
+    at.add_argument("--block-order", default="shuffled",
+                    help="shuffled (a pool after churn), adjacent (merged runs), or both: timed in alternation")
     at.add_argument("--prefill", action="store_true",
                     help="causal prefill of --context tokens per sequence instead of decode (GFLOP/s)")
     mm = bench_parser("matmul", "dense vs prepacked vs GGUF-block matmuls per projection", "matmul_bench",
@@ -374,6 +423,8 @@ def make_parser() -> argparse.ArgumentParser:
         p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight (default: no limit)")
         p.add_argument("--num-warmups", type=int, default=1, help="short untimed requests first")
         p.add_argument("--no-progress", action="store_true", help="no progress bar")
+        p.add_argument("--trace", default=None, help="a JSONL trace (pagedllm trace): its requests, output lengths "
+                                                     "and arrival times instead of the prompts above")
 
     sv = bench_parser("serve", "load on any OpenAI-compatible server (as vllm bench serve)", "serve_bench",
                       engine_options=False)
@@ -392,11 +443,35 @@ def make_parser() -> argparse.ArgumentParser:
                     help="prefill workloads: NxL (N prompts of L tokens, max_tokens 1), comma-separated")
     pe.add_argument("--input-len", type=int, default=128, help="prompt tokens of the decode workloads")
     pe.add_argument("--output-len", type=int, default=128, help="new tokens of the decode workloads")
+    pe.add_argument("--trace", default=None, help="a JSONL trace instead of the workloads above: its requests all "
+                                                  "at once, each with its output length")
     pe.add_argument("--rounds", type=int, default=3)
     pe.add_argument("--peer-python", default=".venv-peers/bin/python", help="the peer venv's Python (make peers)")
     pe.add_argument("--peer-model", default=".peers/SmolLM2-135M-Instruct", help="the HF folder make peers writes")
     pe.add_argument("--peer-worker", default=None, help=argparse.SUPPRESS)  # tests: a stand-in worker script
     pe.add_argument("--no-progress", action="store_true")
+    cp = bench_parser("compare", "paged vs contiguous KV (prefix caching on and off) on a trace, one KV budget, "
+                                 "the mission's table", "compare")
+    cp_src = cp.add_mutually_exclusive_group()
+    cp_src.add_argument("--trace", default=None, help="a JSONL trace (pagedllm trace writes one)")
+    cp_src.add_argument("--workload", default="chat", choices=["sharegpt", "alpaca", "chat", "code"],
+                        help="generate the trace instead (with --num-requests, --rate, --seed)")
+    cp.add_argument("--num-requests", type=int, default=48)
+    cp.add_argument("--rate", type=float, default=math.inf,
+                    help="Poisson arrivals per second (chat: conversations per second; inf: all at t=0)")
+    cp.add_argument("--time-scale", type=float, default=1.0,
+                    help="multiply the trace's arrival times (0: every request at once, in trace order)")
+    cp.add_argument("--configs", default="contiguous,paged,paged + prefix caching",
+                    help="the runs, comma-separated, in this order")
+    cp.add_argument("--max-model-len", type=int, default=None,
+                    help="longest prompt + output, the contiguous reservation (default: the model's context)")
+    cp.add_argument("--max-num-seqs", type=int, default=None)
+    cp.add_argument("--max-num-batched-tokens", type=int, default=None)
+    cp.add_argument("--price-per-hour", type=float, default=0.10,
+                    help="dollars per machine-hour for the cost row (default 0.10: a 2-vCPU cloud VM)")
+    cp.add_argument("--plot", default=None, help="a folder for the PNG plot")
+    cp.add_argument("--no-progress", action="store_true")
+    cp.set_defaults(kv_cache_memory="384MiB")
     off = bench_parser("serve-offline", "the bench serve workload through LLM.generate in-process (the server's "
                       "baseline)", "serve_offline")
     serve_workload_args(off)

@@ -75,6 +75,30 @@ def test_a_peer_gets_the_same_prompts_and_ratios_are_of_medians(tiny, tmp_path):
         assert w["vllm"] == pytest.approx(sorted(w["vllm_runs"])[0] / 2 + sorted(w["vllm_runs"])[1] / 2)
 
 
+def test_a_trace_runs_as_one_workload_with_its_output_lengths_and_sharing(tiny, tmp_path):
+    from pagedllm.bench.traces import TraceRequest, write_trace
+
+    trace = [TraceRequest(arrival=0.0, prompt_len=12, output_len=2, prefix_id="p", prefix_len=8),
+             TraceRequest(arrival=1.0, prompt_len=10, output_len=5, prefix_id="p", prefix_len=8),
+             TraceRequest(arrival=2.0, prompt_len=6, output_len=3)]
+    write_trace(tmp_path / "t.jsonl", trace)
+    worker = tmp_path / "stand_in.py"
+    worker.write_text(STAND_IN)
+    out = tmp_path / "peers.json"
+    assert cli_main(["bench", "peers", "--model", tiny, "--trace", str(tmp_path / "t.jsonl"), "--rounds", "2",
+                     "--dtype", "float32", "--no-progress", "--peer-python", sys.executable, "--peer-model",
+                     str(tmp_path), "--peer-worker", str(worker), "--json", str(out)]) == 0
+    (w,) = json.loads(out.read_text())["workloads"]
+    assert w["name"] == "trace t.jsonl" and w["unit"] == "output tok/s"
+    for run in w["runs"]["pagedllm"]:
+        assert run["output_tokens"] == 10 and run["prompt_tokens"] == 12 + 10 + 6 + 3  # + each round's first token
+    jobs = [json.loads(line) for line in (tmp_path / "jobs.jsonl").read_text().splitlines()][1:]
+    assert [j["max_tokens"] for j in jobs] == [[2, 5, 3]] * 2
+    first, second = (j["prompts"] for j in jobs)
+    assert first[0][:9] == first[1][:9] and first[0][9:] != first[1][9:]  # the shared prefix, after the round's token
+    assert first[0][0] != second[0][0] and first[0][1:] == second[0][1:]  # rounds differ only in that token
+
+
 HANGING = textwrap.dedent('''
     import json, os, subprocess, sys, time
     # an engine process of its own, as vLLM's worker has: same process group

@@ -6,10 +6,11 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from pagedllm import LLM, SamplingParams
+from pagedllm import LLM
+from pagedllm.bench.engine_replay import replay
 from pagedllm.bench.shapes import MODELS, Device, ModelShape
 from pagedllm.bench.simulator import StepTimeModel, simulate
-from pagedllm.bench.traces import TraceRequest, make_trace, prompt_token_ids
+from pagedllm.bench.traces import TraceRequest, make_trace
 from pagedllm.config import CacheConfig, SchedulerConfig
 from tests.conftest import make_tiny_checkpoint
 
@@ -27,40 +28,25 @@ def _agreement_trace() -> list[TraceRequest]:
     return out
 
 
-def _engine_run(llm: LLM, trace: list[TraceRequest]) -> dict:
-    engine = llm.engine
-    vocab = engine.config.model.vocab_size
-    for i, r in enumerate(trace):
-        engine.add_request(str(i), prompt_token_ids(r, vocab, i),
-                           SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True))
-    used, order = [], []
-    while engine.has_unfinished():
-        before = engine.num_steps
-        for o in engine.step():
-            if o.finished:
-                order.append(o.request_id)
-        if engine.num_steps > before:
-            used.append(engine.kv_manager.stats()["num_used_blocks"])
-    return {"used": used, "order": order, "stats": engine.kv_manager.stats()}
-
-
 def test_simulator_agrees_with_the_engine_on_blocks_preemptions_hits_and_finish_order(tmp_path):
     folder = make_tiny_checkpoint(tmp_path / "llama", "llama")
     trace = _agreement_trace()
     for layout in ("paged", "contiguous"):
         llm = LLM(model=folder, dtype="float32", block_size=8, num_kv_blocks=24, max_num_seqs=6,
                   max_num_batched_tokens=64, kv_layout=layout, max_model_len=128)
-        real = _engine_run(llm, trace)
+        real = replay(llm.engine, trace, time_scale=0.0)
         cfg = llm.engine.config
         used = []
         sim = simulate(trace, StepTimeModel(TINY, SLOW_CPU), cfg.cache, cfg.scheduler, llm.engine.kv_manager.num_blocks,
                        vocab_size=cfg.model.vocab_size,
                        on_step=lambda kv, used=used: used.append(kv.stats()["num_used_blocks"]))
-        assert sim.finish_order == real["order"] and len(real["order"]) == len(trace)
-        assert used == real["used"]
+        assert sim.finish_order == real.finish_order and len(real.finish_order) == len(trace)
+        assert used == [s.used_blocks for s in real.steps]
+        assert [s.num_seqs for s in sim.steps] == [s.num_seqs for s in real.steps]
         for key in ("num_preemptions", "prefix_cache_queries", "prefix_cache_hits", "num_free_blocks"):
-            assert sim.kv[key] == real["stats"][key], (layout, key)
-        assert real["stats"]["num_free_blocks"] == real["stats"]["num_blocks"]
+            assert sim.kv[key] == real.kv[key], (layout, key)
+        assert real.kv["num_free_blocks"] == real.kv["num_blocks"]
+        assert sim.summary()["max_seq_len"] == real.summary()["max_seq_len"] == 128
         if layout == "paged":
             assert sim.kv["num_preemptions"] > 0 and sim.kv["prefix_cache_hits"] > 0  # the trace exercises both
         del llm

@@ -243,3 +243,33 @@ def test_arrivals_are_poisson_or_all_at_once():
 def test_bad_settings_raise_before_any_request(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         run(ServeBenchConfig(base_url="http://127.0.0.1:1/v1", progress=False, **bad))
+
+
+def test_a_trace_sets_the_prompts_lengths_and_arrivals(server, tmp_path):
+    """``--trace`` on ``bench serve`` and ``bench serve-offline``: the trace's prompt lengths (one
+    word, one token), output lengths and arrival times; shared prefixes are shared words."""
+    from pagedllm.bench.text_workload import trace_text_workload
+    from pagedllm.bench.traces import TraceRequest, write_trace
+
+    trace = [TraceRequest(arrival=0.0, prompt_len=10, output_len=3, prefix_id="p", prefix_len=6),
+             TraceRequest(arrival=0.0, prompt_len=12, output_len=2, prefix_id="p", prefix_len=6),
+             TraceRequest(arrival=0.3, prompt_len=9, output_len=4, conversation="c", turn=0),
+             TraceRequest(arrival=0.5, prompt_len=14, output_len=2, conversation="c", turn=1),
+             TraceRequest(arrival=0.5, prompt="hello there", output_len=2)]
+    write_trace(tmp_path / "t.jsonl", trace)
+    texts = [r.prompt for r in trace_text_workload(trace)]
+    assert texts[0].split()[:6] == texts[1].split()[:6] and texts[0].split()[6:] != texts[1].split()[6:]
+    assert texts[3].startswith(texts[2] + " ") and texts[4] == "hello there"
+    common = ["--trace", str(tmp_path / "t.jsonl"), "--no-progress", "--num-warmups", "0"]
+    url = server.url + "/v1"
+    assert cli_main(["bench", "serve", *common, "--base-url", url, "--json", str(tmp_path / "on.json")]) == 0
+    off_json = str(tmp_path / "off.json")
+    assert cli_main(["bench", "serve-offline", *common, "--dtype", "float32", "--json", off_json]) == 0
+    on, off = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("on", "off"))
+    assert on["completed"] == 5 and on["failed"] == 0, on["errors"]
+    assert [r["scheduled_s"] for r in on["requests"]] == [r.arrival for r in trace]
+    assert all(r["start_s"] >= r["scheduled_s"] for r in on["requests"])
+    assert [r["prompt_tokens"] for r in on["requests"]][:4] == [10, 12, 9, 14]
+    assert [r["output_tokens"] for r in on["requests"]] == [r.output_len for r in trace]
+    for key in ("total_input_tokens", "total_output_tokens"):
+        assert off[key] == on[key], key

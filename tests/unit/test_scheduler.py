@@ -246,3 +246,20 @@ def test_swap_falls_back_to_recompute_when_the_host_tier_is_full():
     outputs = run_to_end(sched, model)
     assert len(outputs) == 3 and sched.kv.num_preemptions > 0
     assert sched.kv.stats()["num_swapped_out_blocks"] == 0
+
+
+def test_a_prompt_is_admitted_only_when_the_pool_holds_all_of_it():
+    """Admitting a long prompt on the strength of its first chunk let its later chunks run the pool
+    dry and preempt a request part-way through its prefill (with recompute, that work is lost):
+    two 48-token prompts in a 10-block pool took turns destroying each other's prefills."""
+    sched, model = make(num_blocks=10, block_size=8, budget=32, caching=False)
+    sched.add(req("a", 48, 2))
+    sched.add(req("b", 48, 2, first=100))
+    admitted = []
+    while sched.has_unfinished():
+        out = sched.schedule()
+        admitted.append(sorted(c.request_id for c in out.chunks))
+        sched.update(out, model.run(out))
+    assert sched.kv.num_preemptions == 0
+    assert admitted[:3] == [["a"], ["a"], ["a"]]  # b waits: 6 blocks of prompt, 4 free while a prefills
+    assert sched.kv.num_free_blocks == sched.kv.num_blocks

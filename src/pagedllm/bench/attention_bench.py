@@ -7,6 +7,9 @@ tensor and calls ``scaled_dot_product_attention`` (GQA); the paged backends read
 scattered over shuffled blocks through block tables. Times are medians of repeated calls in one
 process; the report gives each backend's time as a ratio to the contiguous SDPA.
 
+``--block-order shuffled,adjacent``: merging's effect on the kernel: the same decode over shuffled
+blocks and over each sequence's blocks in one physical run, timed in alternation, with the ratio.
+
 ``--prefill``: instead, causal prefill of ``context`` new tokens per sequence (every position a
 query; no cached prefix), against SDPA with ``is_causal=True``, with each kernel's rate in GFLOP/s
 (4 * heads * head_dim * L(L+1)/2 per sequence: QK^T and PV over the causal triangle).
@@ -42,15 +45,20 @@ def _time(fn, repeats: int) -> float:
 
 
 def _case(batch: int, ctx: int, block: int, dtype: torch.dtype, gen: torch.Generator, device: str,
-          prefill: bool = False):
-    """Random K/V for ``batch`` sequences of ``ctx`` tokens in shuffled blocks, their queries (the last
+          prefill: bool = False, order: str = "shuffled"):
+    """Random K/V for ``batch`` sequences of ``ctx`` tokens in blocks, their queries (the last
     position of each, or with ``prefill`` every position), and the same K/V (and queries) laid out
-    contiguously per sequence for SDPA: [batch, heads, tokens, dim]."""
+    contiguously per sequence for SDPA: [batch, heads, tokens, dim]. ``order``: ``shuffled`` blocks
+    (a pool after churn), or ``adjacent`` (each sequence's blocks one physical run, in order: what
+    merging adjacent blocks gives the kernel)."""
     nblocks = -(-ctx // block)
     total = batch * nblocks
     k_cache = torch.randn(total, block, KV_HEADS, HEAD_DIM, generator=gen).to(device, dtype)
     v_cache = torch.randn(total, block, KV_HEADS, HEAD_DIM, generator=gen).to(device, dtype)
-    tables = torch.randperm(total, generator=gen).view(batch, nblocks).to(device)
+    if order not in ("shuffled", "adjacent"):
+        raise ValueError(f"block order must be shuffled or adjacent, got {order!r}")
+    ids = torch.randperm(total, generator=gen) if order == "shuffled" else torch.arange(total)
+    tables = ids.view(batch, nblocks).to(device)
     per_seq = ctx if prefill else 1
     q = torch.randn(batch * per_seq, HEADS, HEAD_DIM, generator=gen).to(device, dtype)
     qsl = [i * per_seq for i in range(batch + 1)]
@@ -66,13 +74,13 @@ def _case(batch: int, ctx: int, block: int, dtype: torch.dtype, gen: torch.Gener
 
 
 def run_prefill(batches, contexts, blocks, dtypes, backends, repeats: int, seed: int = 0,
-                device: str = "cpu") -> list[dict]:
+                device: str = "cpu", order: str = "shuffled") -> list[dict]:
     """Causal prefill attention: each backend against SDPA(is_causal), times and GFLOP/s."""
     gen = torch.Generator().manual_seed(seed)
     rows = []
     for batch, ctx, block, dtype_name in itertools.product(batches, contexts, blocks, dtypes):
         dtype = getattr(torch, dtype_name)
-        q, kc, vc, meta, qd, kd, vd = _case(batch, ctx, block, dtype, gen, device, prefill=True)
+        q, kc, vc, meta, qd, kd, vd = _case(batch, ctx, block, dtype, gen, device, prefill=True, order=order)
         flops = batch * 4 * HEADS * HEAD_DIM * ctx * (ctx + 1) / 2
 
         def sdpa(qd=qd, kd=kd, vd=vd):
@@ -81,6 +89,7 @@ def run_prefill(batches, contexts, blocks, dtypes, backends, repeats: int, seed:
         t_sdpa = _time(sdpa, repeats)
         expected = sdpa().transpose(1, 2).reshape(batch * ctx, HEADS, HEAD_DIM)
         row = {"mode": "prefill", "batch": batch, "context": ctx, "block_size": block, "dtype": dtype_name,
+               "block_order": order,
                "sdpa_contiguous_ms": round(t_sdpa * 1000, 3), "sdpa_gflops": round(flops / t_sdpa / 1e9, 1)}
         for name in backends:
             backend = get_backend(name, device, HEAD_DIM)
@@ -95,15 +104,16 @@ def run_prefill(batches, contexts, blocks, dtypes, backends, repeats: int, seed:
     return rows
 
 
-def run(batches, contexts, blocks, dtypes, backends, repeats: int, seed: int = 0, device: str = "cpu") -> list[dict]:
+def run(batches, contexts, blocks, dtypes, backends, repeats: int, seed: int = 0, device: str = "cpu",
+        order: str = "shuffled") -> list[dict]:
     gen = torch.Generator().manual_seed(seed)
     rows = []
     for batch, ctx, block, dtype_name in itertools.product(batches, contexts, blocks, dtypes):
         dtype = getattr(torch, dtype_name)
-        q, kc, vc, meta, qd, kd, vd = _case(batch, ctx, block, dtype, gen, device)  # qd: [batch, heads, 1, dim]
+        q, kc, vc, meta, qd, kd, vd = _case(batch, ctx, block, dtype, gen, device, order=order)  # qd: [b, h, 1, d]
         sdpa = _time(lambda qd=qd, kd=kd, vd=vd: F.scaled_dot_product_attention(qd, kd, vd, enable_gqa=True),
                      repeats)
-        row = {"batch": batch, "context": ctx, "block_size": block, "dtype": dtype_name,
+        row = {"batch": batch, "context": ctx, "block_size": block, "dtype": dtype_name, "block_order": order,
                "sdpa_contiguous_ms": round(sdpa * 1000, 3)}
         ref_out = None
         for name in backends:
@@ -120,6 +130,34 @@ def run(batches, contexts, blocks, dtypes, backends, repeats: int, seed: int = 0
     return rows
 
 
+def run_block_orders(batches, contexts, blocks, dtypes, repeats: int, seed: int = 0, device: str = "cpu",
+                     backend_name: str = "cpu") -> list[dict]:
+    """Merging, measured: decode over shuffled blocks against the same shapes over adjacent ones (each
+    sequence's blocks one physical run, in order), timed in alternation call by call (A, B, A,
+    B...) so that drift on a shared machine falls on both; medians and their ratio."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = []
+    backend = get_backend(backend_name, device, HEAD_DIM)
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    for batch, ctx, block, dtype_name in itertools.product(batches, contexts, blocks, dtypes):
+        dtype = getattr(torch, dtype_name)
+        cases = {order: _case(batch, ctx, block, dtype, gen, device, order=order) for order in ("shuffled", "adjacent")}
+        times: dict[str, list[float]] = {order: [] for order in cases}
+        for _ in range(repeats + 1):
+            for order, (q, kc, vc, meta, *_) in cases.items():
+                t0 = time.perf_counter()
+                backend.forward(q, kc, vc, meta)
+                sync()
+                times[order].append(time.perf_counter() - t0)
+        med = {order: statistics.median(t[1:]) for order, t in times.items()}  # the first call warms up
+        row = {"batch": batch, "context": ctx, "block_size": block, "dtype": dtype_name, "backend": backend_name,
+               "shuffled_ms": round(1000 * med["shuffled"], 3), "adjacent_ms": round(1000 * med["adjacent"], 3),
+               "adjacent_over_shuffled": round(med["adjacent"] / med["shuffled"], 3)}
+        rows.append(row)
+        print("  ".join(f"{k}={v}" for k, v in row.items()), flush=True)
+    return rows
+
+
 def plot(rows: list[dict], backends, path: str) -> None:
     import matplotlib
 
@@ -130,8 +168,8 @@ def plot(rows: list[dict], backends, path: str) -> None:
     block = 16 if any(r["block_size"] == 16 for r in rows) else rows[0]["block_size"]
     for name in backends:
         for batch in sorted({r["batch"] for r in rows}):
-            sel = [r for r in rows
-                   if r["batch"] == batch and r["block_size"] == block and r["dtype"] == rows[0]["dtype"]]
+            sel = [r for r in rows if r["batch"] == batch and r["block_size"] == block
+                   and r["dtype"] == rows[0]["dtype"] and r["block_order"] == rows[0]["block_order"]]
             ax.plot([r["context"] for r in sel], [r[f"{name}_over_sdpa"] for r in sel], "o-",
                     label=f"{name}, batch {batch}")
     ax.axhline(1.0, color="grey", lw=1)
@@ -150,8 +188,18 @@ def main(args) -> list[dict]:
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
     backends = args.backends.split(",")
     measure = run_prefill if args.prefill else run
-    rows = measure(ints(args.batch), ints(args.context), ints(args.block_size), args.dtype.split(","), backends,
-                   args.repeats, args.seed, args.device)
+    orders = [o.strip() for o in args.block_order.split(",")]
+    if sorted(orders) == ["adjacent", "shuffled"] and not args.prefill:  # merging: paired, alternating
+        rows = run_block_orders(ints(args.batch), ints(args.context), ints(args.block_size), args.dtype.split(","),
+                                args.repeats, args.seed, args.device, backends[0])
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"threads": torch.get_num_threads(), "rows": rows}, f, indent=2)
+        return rows
+    rows = []
+    for order in orders:
+        rows += measure(ints(args.batch), ints(args.context), ints(args.block_size), args.dtype.split(","), backends,
+                        args.repeats, args.seed, args.device, order.strip())
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"threads": torch.get_num_threads(), "rows": rows}, f, indent=2)

@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import time
 from pathlib import Path
 
 import numpy as np
 
+from pagedllm.bench.engine_replay import replay
 from pagedllm.bench.shapes import DTYPE_BYTES, Device, ModelShape, get_device
 from pagedllm.bench.simulator import StepTimeModel, simulate
-from pagedllm.bench.traces import TraceRequest, make_trace, prompt_token_ids
+from pagedllm.bench.traces import TraceRequest, make_trace
 
 
 def shape_of(model_config) -> ModelShape:
@@ -36,37 +36,10 @@ def at_once(trace: list[TraceRequest]) -> list[TraceRequest]:
 
 def run_engine(llm, trace: list[TraceRequest], timing: StepTimeModel) -> dict:
     """Run ``trace`` (all at once) through the engine; per-step features and seconds, and tokens/s."""
-    from pagedllm import SamplingParams
-
-    engine = llm.engine
-    vocab = engine.config.model.vocab_size
-    captured = []
-    schedule = engine.scheduler.schedule
-
-    def capture():
-        out = schedule()
-        captured.append(out)
-        return out
-
-    engine.scheduler.schedule = capture
-    try:
-        for i, r in enumerate(trace):
-            engine.add_request(f"cal{i}", prompt_token_ids(r, vocab, i),
-                               SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True))
-        samples = []
-        t_start = time.perf_counter()
-        while engine.has_unfinished():
-            captured.clear()
-            t0 = time.perf_counter()
-            engine.step()
-            dt = time.perf_counter() - t0
-            if captured and not captured[-1].is_empty:
-                samples.append((*timing.features(captured[-1]), dt))
-        wall = time.perf_counter() - t_start
-    finally:
-        engine.scheduler.schedule = schedule
-    tokens = sum(r.output_len for r in trace)
-    return {"samples": samples, "seconds": wall, "output_tokens_per_s": tokens / wall}
+    samples = []
+    result = replay(llm.engine, trace, 0.0, on_step=lambda out, dt: samples.append((*timing.features(out), dt)))
+    s = result.summary()
+    return {"samples": samples, "seconds": s["makespan_s"], "output_tokens_per_s": s["output_tokens_per_s"]}
 
 
 def fit(samples: list[tuple[float, float, int, float]], base: Device) -> Device:

@@ -52,6 +52,45 @@ class Workload:
         return [[rng.randrange(low, high) for _ in range(self.prompt_len)] for _ in range(self.num_prompts)]
 
 
+@dataclass(frozen=True)
+class TraceWorkload:
+    """A trace's requests, all at once (the peers run offline: arrival times are not replayed), each
+    with its own output length; shared prefixes and conversations stay shared. Every round puts its
+    own first token before every prompt, so one round's KV is never a prefix-cache hit in the next
+    while the sharing within a round remains (both engines cache prefixes by default)."""
+
+    name: str
+    base_prompts: tuple[tuple[int, ...], ...]
+    output_lens: tuple[int, ...]
+    is_prefill = False
+
+    @classmethod
+    def from_trace(cls, name: str, trace: list, vocab_size: int, tokenize) -> TraceWorkload:
+        from pagedllm.bench.traces import prompt_token_ids
+
+        if tokenize is None and any(r.prompt is not None for r in trace):
+            raise ValueError("the trace has text prompts, and the model has no tokenizer")
+        prompts = tuple(tuple(tokenize(r.prompt) if r.prompt is not None else prompt_token_ids(r, vocab_size, i))
+                        for i, r in enumerate(trace))
+        return cls(name, prompts, tuple(r.output_len for r in trace))
+
+    @property
+    def num_prompts(self) -> int:
+        return len(self.base_prompts)
+
+    @property
+    def max_tokens(self) -> list[int]:
+        return list(self.output_lens)
+
+    def prompts(self, vocab_size: int, seed: str) -> list[list[int]]:
+        first = random.Random(seed).randrange(100, vocab_size - 100)
+        return [[first, *p] for p in self.base_prompts]
+
+
+def expected_output_tokens(w: Workload | TraceWorkload) -> int:
+    return sum(w.max_tokens) if isinstance(w.max_tokens, list) else w.num_prompts * w.max_tokens
+
+
 def parse_workloads(concurrency: str, prefill: str, input_len: int, output_len: int) -> list[Workload]:
     """``"1,8"`` and ``"32x128,8x1024"`` -> workloads (raises ValueError naming a bad item)."""
     out: list[Workload] = []
@@ -102,10 +141,12 @@ class PeerWorker:
             raise RuntimeError(f"the vLLM worker exited with {self.proc.returncode}; its log: {self.log.name}")
         return json.loads(line)
 
-    def run(self, prompts: list[list[int]], max_tokens: int) -> dict:
+    def run(self, prompts: list[list[int]], max_tokens: int | list[int]) -> dict:
+        if isinstance(max_tokens, int):
+            max_tokens = [max_tokens] * len(prompts)
         self._signal(signal.SIGCONT)
         try:
-            self.proc.stdin.write(json.dumps({"prompts": prompts, "max_tokens": [max_tokens] * len(prompts)}) + "\n")
+            self.proc.stdin.write(json.dumps({"prompts": prompts, "max_tokens": max_tokens}) + "\n")
             self.proc.stdin.flush()
             return self._read()
         finally:
@@ -134,10 +175,12 @@ def _raise_terminated(signum, frame) -> None:
     raise _Terminated()
 
 
-def run_pagedllm(llm, prompts: list[list[int]], max_tokens: int) -> dict:
+def run_pagedllm(llm, prompts: list[list[int]], max_tokens: int | list[int]) -> dict:
     from pagedllm import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    if isinstance(max_tokens, int):
+        max_tokens = [max_tokens] * len(prompts)
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in max_tokens]
     start = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     seconds = time.perf_counter() - start
@@ -156,11 +199,21 @@ def main(args) -> dict:
 
     from pagedllm import LLM
 
-    workloads = parse_workloads(args.concurrency, args.prefill, args.input_len, args.output_len)
-    max_num_seqs = max(64, *(w.num_prompts for w in workloads))
+    if args.trace:  # the trace alone; at most 256 sequences at once (vLLM's default), the same for both
+        from pagedllm.bench.traces import read_trace
+
+        trace = read_trace(args.trace)
+        workloads, max_num_seqs = [], min(256, max(64, len(trace)))
+    else:
+        workloads = parse_workloads(args.concurrency, args.prefill, args.input_len, args.output_len)
+        max_num_seqs = max(64, *(w.num_prompts for w in workloads))
     llm = LLM(model=args.model, dtype=args.dtype, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
               quantization=args.quantization, max_num_seqs=max_num_seqs)
     vocab = llm.engine.config.model.vocab_size
+    if args.trace:
+        tokenizer = llm.get_tokenizer()
+        workloads = [TraceWorkload.from_trace(f"trace {Path(args.trace).name}", trace, vocab,
+                                              tokenizer.encode if tokenizer is not None else None)]
     peer, skipped = None, None
     if not Path(args.peer_python).exists():
         skipped = f"vLLM part skipped: {args.peer_python} not found (run `make peers` to install vLLM's CPU build)"
@@ -194,7 +247,7 @@ def main(args) -> dict:
                         result = engine(prompts, w.max_tokens)
                         after = machine_steal_seconds()
                         result["machine_steal_s"] = None if steal is None or after is None else round(after - steal, 3)
-                        expected = w.num_prompts * w.max_tokens
+                        expected = expected_output_tokens(w)
                         if result["output_tokens"] != expected:
                             raise RuntimeError(f"{name} generated {result['output_tokens']} tokens for {w.name}, "
                                                f"expected {expected}")
@@ -211,7 +264,7 @@ def main(args) -> dict:
     report = {"settings": {"dtype": args.dtype, "quantization": llm.engine.config.quantization,
                            "rounds": args.rounds, "input_len": args.input_len, "output_len": args.output_len,
                            "max_num_seqs": max_num_seqs, "peer_python": args.peer_python,
-                           "peer_model": args.peer_model, "seed": args.seed},
+                           "peer_model": args.peer_model, "seed": args.seed, "trace": args.trace},
               "machine": machine_info(), "vllm_skipped": skipped, "workloads": []}
     for w in workloads:
         ours = [r["tokens_per_s"] for r in runs[w.name]["pagedllm"]]

@@ -29,7 +29,8 @@ import openai
 
 from pagedllm.bench.machine import CpuClock, machine_info, process_cpu_seconds
 from pagedllm.bench.serve_metrics import RequestRecord, summarize
-from pagedllm.bench.text_workload import TextRequest, text_workload
+from pagedllm.bench.text_workload import TextRequest, text_workload, trace_text_workload
+from pagedllm.bench.traces import read_trace
 
 ENDPOINTS = ("completions", "chat")
 
@@ -50,6 +51,7 @@ class ServeBenchConfig:
     server_pid: int | None = None       # also report this local process's CPU time over the run
     timeout_s: float = 600.0
     progress: bool = True
+    trace: str | None = None            # a JSONL trace: its requests and arrival times replace the above
 
     def validate(self) -> None:
         if self.endpoint not in ENDPOINTS:
@@ -168,21 +170,30 @@ async def resolve_model(client: openai.AsyncOpenAI, model: str | None) -> tuple[
         return "unknown", f"GET /models: {describe_error(exc)}"
 
 
+def workload(cfg: ServeBenchConfig) -> tuple[list[TextRequest], list[float]]:
+    """The requests and their arrival offsets: the trace's (``cfg.trace``), else ``num_prompts``
+    seeded random-word prompts arriving at ``request_rate``."""
+    if cfg.trace:
+        trace = read_trace(cfg.trace)
+        return trace_text_workload(trace), [r.arrival for r in trace]
+    requests = text_workload(cfg.num_prompts, cfg.input_len, cfg.output_len, cfg.seed)
+    return requests, arrival_offsets(len(requests), cfg.request_rate, cfg.seed)
+
+
 async def run_benchmark(cfg: ServeBenchConfig, http_client=None) -> dict:
     """Run the benchmark and return its report. ``http_client``: an ``httpx.AsyncClient`` for the
     ``openai`` client to use (tests instrument the transport with it)."""
     from tqdm import tqdm
 
     cfg.validate()
-    requests = text_workload(cfg.num_prompts, cfg.input_len, cfg.output_len, cfg.seed)
+    requests, offsets = workload(cfg)
     client = openai.AsyncOpenAI(base_url=cfg.base_url, api_key=cfg.api_key or "EMPTY", max_retries=0,
                                 timeout=cfg.timeout_s, http_client=http_client)
     try:
         model, model_error = await resolve_model(client, cfg.model)
         warmup_errors = await _warmup(cfg, client, model)
         records = [RequestRecord(i, r.num_words, r.output_len, scheduled_s=t)
-                   for i, (r, t) in enumerate(zip(requests, arrival_offsets(len(requests), cfg.request_rate, cfg.seed),
-                                                  strict=True))]
+                   for i, (r, t) in enumerate(zip(requests, offsets, strict=True))]
         server_cpu0 = process_cpu_seconds(cfg.server_pid) if cfg.server_pid else None
         with tqdm(total=len(records), desc="bench serve", unit="req", disable=not cfg.progress,
                   file=sys.stderr) as bar, CpuClock() as clock:
@@ -236,9 +247,11 @@ def _row(label: str, value) -> str:
 def format_report(report: dict) -> str:
     s = report["settings"]
     lines = [f"{'=' * 16} Serving Benchmark Result {'=' * 16}",
-             f"{report['model']} at {s['base_url']} ({s['endpoint']}), {s['num_prompts']} prompts, input "
-             f"{s['input_len']} words, output {s['output_len']} tokens, rate {s['request_rate']}/s, "
-             f"max concurrency {s['max_concurrency'] or 'none'}",
+             f"{report['model']} at {s['base_url']} ({s['endpoint']}), "
+             + (f"trace {s['trace']} ({len(report['requests'])} requests at its arrival times), "
+                if s.get("trace") else f"{s['num_prompts']} prompts, input {s['input_len']} words, output "
+                                      f"{s['output_len']} tokens, rate {s['request_rate']}/s, ")
+             + f"max concurrency {s['max_concurrency'] or 'none'}",
              _row("Successful requests:", report["completed"]),
              _row("Failed requests:", report["failed"])]
     lines += [f"  {n} x {err}" for err, n in report["errors"].items()]
@@ -275,7 +288,8 @@ def config_from_args(args) -> ServeBenchConfig:
                             num_prompts=args.num_prompts, input_len=parse_range(args.input_len, "--input-len"),
                             output_len=parse_range(args.output_len, "--output-len"), request_rate=args.request_rate,
                             max_concurrency=args.max_concurrency, seed=args.seed, num_warmups=args.num_warmups,
-                            server_pid=args.server_pid, timeout_s=args.timeout, progress=not args.no_progress)
+                            server_pid=args.server_pid, timeout_s=args.timeout, progress=not args.no_progress,
+                            trace=args.trace)
 
 
 def main(args) -> dict:

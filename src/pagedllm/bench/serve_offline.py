@@ -13,7 +13,8 @@ from __future__ import annotations
 import json
 
 from pagedllm.bench.machine import CpuClock, machine_info
-from pagedllm.bench.text_workload import text_workload
+from pagedllm.bench.text_workload import text_workload, trace_text_workload
+from pagedllm.bench.traces import read_trace
 from pagedllm.bench.workload import parse_range
 
 
@@ -22,7 +23,10 @@ def main(args) -> dict:
 
     input_len = parse_range(args.input_len, "--input-len")
     output_len = parse_range(args.output_len, "--output-len")
-    requests = text_workload(args.num_prompts, input_len, output_len, args.seed)
+    if args.trace:  # the trace's requests, all at once (offline: arrival times are not replayed)
+        requests = trace_text_workload(read_trace(args.trace))
+    else:
+        requests = text_workload(args.num_prompts, input_len, output_len, args.seed)
     max_num_seqs = args.max_concurrency or 64
     llm = LLM(model=args.model, dtype=args.dtype, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
               quantization=args.quantization, max_num_seqs=max_num_seqs)
@@ -38,7 +42,8 @@ def main(args) -> dict:
     prompt = sum(len(o.prompt_token_ids) for o in outs)
     cfg = llm.engine.config
     report = {
-        "settings": {"system": "LLM.generate (offline)", "num_prompts": args.num_prompts, "input_len": args.input_len,
+        "settings": {"system": "LLM.generate (offline)", "num_prompts": len(requests), "trace": args.trace,
+                     "input_len": args.input_len,
                      "output_len": args.output_len, "max_num_seqs": max_num_seqs, "seed": args.seed,
                      "dtype": cfg.dtype, "quantization": cfg.quantization,
                      "attention_backend": llm.engine.runner.backend.name},
@@ -51,7 +56,7 @@ def main(args) -> dict:
         "total_token_throughput": round((prompt + output) / duration, 3),
         "process_cpu": clock.result.as_dict(),
     }
-    print(f"LLM.generate, {args.num_prompts} prompts (input {args.input_len} words, output {args.output_len} "
+    print(f"LLM.generate, {len(requests)} prompts (input {args.input_len} words, output {args.output_len} "
           f"tokens), max_num_seqs {max_num_seqs}, {cfg.dtype}: {output} output tokens in {duration:.2f}s = "
           f"{report['output_throughput']:.1f} tok/s ({report['total_token_throughput']:.1f} tok/s with the "
           f"{prompt} prompt tokens)")

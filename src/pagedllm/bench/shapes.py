@@ -78,6 +78,7 @@ class Device:
     seq_overhead_s: float = 0.0      # per sequence in the step: metadata, sampling, detokenizing
     overlap: bool = True             # compute and memory traffic overlap (a roofline: the max of the two);
                                      # False: they add up (what the fit on this CPU found closer)
+    price_per_hour: float = 0.0      # dollars per machine-hour for cost figures (0: not stated)
 
     def __post_init__(self) -> None:
         if min(self.memory_bytes, self.peak_flops, self.bandwidth) <= 0:
@@ -95,13 +96,16 @@ MODELS = {
 }
 
 DEVICES = {
-    "a100-80gb": Device("A100-80GB", 80 * 10**9, 312e12, 2.039e12, step_overhead_s=0.004, seq_overhead_s=2e-5),
+    # A100 price: the one at which the mission's cost claims match its own throughput claims (mission.py)
+    "a100-80gb": Device("A100-80GB", 80 * 10**9, 312e12, 2.039e12, step_overhead_s=0.004, seq_overhead_s=2e-5,
+                        price_per_hour=0.93),
     "h100": Device("H100-80GB SXM", 80 * 10**9, 989e12, 3.35e12, step_overhead_s=0.003, seq_overhead_s=1.5e-5),
     "h200": Device("H200", 141 * 10**9, 989e12, 4.8e12, step_overhead_s=0.003, seq_overhead_s=1.5e-5),
     # this machine (2 vCPUs, the Xeon of docs/benchmarks.md): the rates `pagedllm simulate --calibrate`
     # fitted to the real engine (SmolLM2, bf16), compute and memory adding up (docs/simulator.md)
     "this-cpu": Device("this CPU (2 vCPUs, calibrated)", 24 * GiB, 153.5e9, 10.83e9, compute_efficiency=1.0,
-                       bandwidth_efficiency=1.0, seq_overhead_s=7.8e-4, overlap=False),
+                       bandwidth_efficiency=1.0, seq_overhead_s=7.8e-4, overlap=False,
+                       price_per_hour=0.10),  # a 2-vCPU cloud VM, order of magnitude
 }
 
 

@@ -15,6 +15,7 @@ import math
 import time
 from pathlib import Path
 
+from pagedllm.bench.mission import CLAIMED_SETUP, cost_per_m_tokens, format_table
 from pagedllm.bench.shapes import DTYPE_BYTES, get_device, get_model
 from pagedllm.bench.simulator import SimulationResult, StepTimeModel, simulate
 from pagedllm.bench.traces import make_trace, read_trace
@@ -46,21 +47,30 @@ def load_trace(args):
     return make_trace(args.workload, args.num_requests, float(args.rate), args.seed)
 
 
+def setup(args) -> tuple[StepTimeModel, list, int, SchedulerConfig]:
+    """(step-time model, trace, KV pool bytes, scheduler config) from the command's arguments."""
+    model, device = get_model(args.model), get_device(args.device)
+    timing = StepTimeModel(model, device, DTYPE_BYTES[args.dtype], DTYPE_BYTES[args.kv_dtype])
+    pool = kv_pool_bytes(device.memory_bytes, model.weight_bytes(timing.dtype_bytes), args.kv_memory,
+                         args.memory_utilization)
+    sched = SchedulerConfig(max_num_seqs=args.max_num_seqs or 256, max_model_len=args.max_model_len,
+                            max_num_batched_tokens=args.max_num_batched_tokens or 8192)
+    return timing, load_trace(args), pool, sched
+
+
 def run(args) -> dict:
     from tqdm import tqdm
 
-    model, device = get_model(args.model), get_device(args.device)
-    timing = StepTimeModel(model, device, DTYPE_BYTES[args.dtype], DTYPE_BYTES[args.kv_dtype])
-    trace = load_trace(args)
-    pool = kv_pool_bytes(device.memory_bytes, model.weight_bytes(timing.dtype_bytes), args.kv_memory,
-                         args.memory_utilization)
+    timing, trace, pool, sched = setup(args)
+    model, device = timing.model, timing.device
     bytes_per_block = args.block_size * model.kv_bytes_per_token(timing.kv_dtype_bytes)
     num_blocks = int(pool // bytes_per_block)
-    sched = SchedulerConfig(max_num_seqs=args.max_num_seqs or 256, max_model_len=args.max_model_len,
-                            max_num_batched_tokens=args.max_num_batched_tokens or 8192)
-    layouts = ["paged", "contiguous"] if args.layout == "both" else [args.layout]
+    layouts = ["contiguous", "paged"] if args.layout == "both" else [args.layout]
+    price = device.price_per_hour if args.price_per_hour is None else args.price_per_hour
     report = {"model": model.name, "device": device.name, "requests": len(trace), "kv_pool_bytes": pool,
-              "num_blocks": num_blocks, "block_size": args.block_size, "results": {}}
+              "num_blocks": num_blocks, "block_size": args.block_size, "max_model_len": args.max_model_len,
+              "price_per_hour": price, "claims": (args.model, args.device) == ("llama-2-13b", "a100-80gb"),
+              "results": {}}
     results: dict[str, SimulationResult] = {}
     for layout in layouts:
         cache = CacheConfig(block_size=args.block_size, num_kv_blocks=num_blocks, kv_layout=layout,
@@ -71,6 +81,7 @@ def run(args) -> dict:
         bar.close()
         summary = results[layout].summary()
         summary["wall_s"] = round(time.perf_counter() - t0, 2)
+        summary["cost_per_m_tokens"] = cost_per_m_tokens(price, summary["output_tokens_per_s"])
         report["results"][layout] = summary
     print(format_report(report))
     if args.plot:
@@ -80,33 +91,43 @@ def run(args) -> dict:
     return report
 
 
-ROWS = [("output tokens/s", "output_tokens_per_s"), ("requests/s", "requests_per_s"),
-        ("TTFT p50 / p99 (s)", ("ttft_p50_s", "ttft_p99_s")), ("TPOT p50 / p99 (s)", ("tpot_p50_s", "tpot_p99_s")),
-        ("peak KV memory (GiB)", "peak_kv_bytes"), ("fragmentation mean / max", ("mean_fragmentation",
-                                                                               "max_fragmentation")),
-        ("batch mean / max", ("mean_batch", "max_batch")), ("preemptions", "preemptions"),
-        ("prefix-cache hit rate", "prefix_cache_hit_rate"), ("finished / rejected", ("finished", "rejected")),
-        ("simulated seconds", "makespan_s"), ("wall seconds", "wall_s")]
+def run_placements(args) -> dict:
+    """``--placements``: the trace (paged) with the policy's placement, merging adjacent blocks, and a
+    reserve of large blocks (``bench/placement.py``)."""
+    from pagedllm.bench.placement import compare_placements
 
-
-def _cell(summary: dict, key) -> str:
-    if isinstance(key, tuple):
-        return " / ".join(_cell(summary, k) for k in key)
-    v = summary.get(key)
-    if key == "peak_kv_bytes":
-        return f"{v / 2**30:.2f}"
-    if isinstance(v, float):
-        return f"{v:.4g}"
-    return str(v)
+    timing, trace, pool, sched = setup(args)
+    num_blocks = int(pool // (args.block_size * timing.model.kv_bytes_per_token(timing.kv_dtype_bytes)))
+    cache = CacheConfig(block_size=args.block_size, num_kv_blocks=num_blocks, enable_prefix_caching=args.prefix_caching)
+    results = compare_placements(trace, timing, cache, sched, num_blocks, reserve_share=args.reserve_share,
+                                 run_blocks=args.run_blocks, threshold_blocks=args.threshold_blocks)
+    report = {"model": timing.model.name, "device": timing.device.name, "requests": len(trace),
+              "num_blocks": num_blocks, "block_size": args.block_size, "prefix_caching": args.prefix_caching,
+              "reserve": {"share": args.reserve_share, "run_blocks": args.run_blocks,
+                          "threshold_blocks": args.threshold_blocks}, "results": results}
+    print(f"{timing.model.name} on {timing.device.name}: {len(trace)} requests, {num_blocks} blocks of "
+          f"{args.block_size}, prefix caching {'on' if args.prefix_caching else 'off'}; reserve: "
+          f"{args.reserve_share:.0%} in runs of {args.run_blocks} for sequences past {args.threshold_blocks} blocks")
+    print(f"{'placement':<10}{'blocks/run':>11}{'out tok/s':>11}{'TTFT p99 s':>11}{'frag':>8}{'batch':>7}"
+          f"{'preempt':>8}{'hit rate':>9}")
+    for name, r in results.items():
+        print(f"{name:<10}{r['blocks_per_run']:>11.2f}{r['output_tokens_per_s']:>11.1f}{r['ttft_p99_s'] or 0:>11.3f}"
+              f"{100 * r['mean_fragmentation']:>7.2f}%{r['mean_batch']:>7.1f}{r['preemptions']:>8}"
+              f"{100 * r['prefix_cache_hit_rate']:>8.1f}%")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    return report
 
 
 def format_report(report: dict) -> str:
-    layouts = list(report["results"])
     lines = [f"{report['model']} on {report['device']}: {report['requests']} requests, KV pool "
-             f"{report['kv_pool_bytes'] / 2**30:.2f} GiB = {report['num_blocks']} blocks of {report['block_size']}"]
-    lines.append(f"{'':<28}" + "".join(f"{name:>24}" for name in layouts))
-    for label, key in ROWS:
-        lines.append(f"{label:<28}" + "".join(f"{_cell(report['results'][n], key):>24}" for n in layouts))
+             f"{report['kv_pool_bytes'] / 2**30:.2f} GiB = {report['num_blocks']} blocks of {report['block_size']}, "
+             f"max_model_len {report['max_model_len']}, ${report['price_per_hour']}/machine-hour"]
+    lines.append(format_table(report["results"], claims=report["claims"]))
+    for label, key in (("simulated seconds", "makespan_s"), ("wall seconds", "wall_s")):
+        lines.append(f"{label:<34}" + "  ".join(f"{name}: {r[key]}" for name, r in report["results"].items()))
+    if report["claims"]:
+        lines.append(f"(claimed: the mission's figures for {CLAIMED_SETUP})")
     return "\n".join(lines)
 
 
@@ -137,6 +158,12 @@ def main(args) -> dict:
         from pagedllm.bench import calibrate
 
         return calibrate.main(args)
+    if args.sweep_block_size:
+        from pagedllm.bench import block_size
+
+        return block_size.main(args)
+    if args.placements:
+        return run_placements(args)
     if not math.isfinite(args.memory_utilization) or not 0 < args.memory_utilization <= 1:
         raise ValueError(f"--memory-utilization must be in (0, 1], got {args.memory_utilization}")
     return run(args)

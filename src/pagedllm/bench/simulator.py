@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -30,6 +31,7 @@ from pagedllm.engine.scheduler import Scheduler, SchedulerOutput
 from pagedllm.kvcache.factory import make_kv_manager
 
 STAND_IN_TOKEN = 7  # what every simulated sample returns
+RETIRED_COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions")
 
 
 @dataclass(frozen=True)
@@ -89,6 +91,7 @@ class StepSample:
     num_tokens: int
     used_blocks: int
     fragmentation: float
+    block_size: int = 0  # the pool's block size at this step (0: the run's ``block_size``)
 
 
 @dataclass
@@ -99,6 +102,9 @@ class SimulationResult:
     kv: dict = field(default_factory=dict)
     block_size: int = 16
     bytes_per_block: float = 0.0
+    max_seq_len: int = 0  # the longest prompt + output the pool admits (``longest_admissible``)
+    control_s: float = 0.0  # wall time spent in the scheduler's schedule() and update() (the control plane)
+    replans: list[tuple[float, int]] = field(default_factory=list)  # (time, new block size) of each re-plan
 
     def summary(self) -> dict:
         done = [r for r in self.requests if r.status == "length"]
@@ -108,8 +114,10 @@ class SimulationResult:
         ttft = sorted(r.ttft for r in done)
         tpot = sorted(t for r in done if (t := r.tpot) is not None)
         peak_blocks = max((s.used_blocks for s in self.steps), default=0)
+        per_token = self.bytes_per_block / self.block_size
+        peak_bytes = max((s.used_blocks * (s.block_size or self.block_size) for s in self.steps), default=0) * per_token
         return {
-            "requests": len(self.requests), "finished": len(done),
+            "requests": len(self.requests), "finished": len(done), "max_seq_len": self.max_seq_len,
             "rejected": sum(r.status == "rejected" for r in self.requests),
             "makespan_s": round(makespan, 3),
             "output_tokens_per_s": round(out_tokens / makespan, 2) if makespan else 0.0,
@@ -119,7 +127,7 @@ class SimulationResult:
             "mean_fragmentation": round(statistics.mean(s.fragmentation for s in busy), 4) if busy else 0.0,
             "max_fragmentation": round(max((s.fragmentation for s in busy), default=0.0), 4),
             "peak_kv_blocks": peak_blocks,
-            "peak_kv_bytes": int(peak_blocks * self.bytes_per_block),
+            "peak_kv_bytes": int(peak_bytes),
             "mean_batch": round(statistics.mean(s.num_seqs for s in self.steps), 2) if self.steps else 0.0,
             "max_batch": max((s.num_seqs for s in self.steps), default=0),
             "preemptions": self.kv.get("num_preemptions", 0),
@@ -136,21 +144,42 @@ def _quantile(sorted_values: list[float], q: float) -> float | None:
     return round(sorted_values[i], 4)
 
 
+def longest_admissible(kv, max_model_len: int) -> int:
+    """The longest prompt + output the engine admits on ``kv``'s pool (its rule: at most
+    ``max_model_len``, and no more blocks than the pool holds); 0 when nothing fits."""
+    lo, hi = 0, max_model_len
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if kv.max_blocks_for_request(mid) <= kv.num_blocks:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
 def simulate(trace: list[TraceRequest], timing: StepTimeModel, cache: CacheConfig, scheduler: SchedulerConfig,
-             num_blocks: int, vocab_size: int | None = None, on_step=None, progress=None) -> SimulationResult:
+             num_blocks: int, vocab_size: int | None = None, on_step=None, progress=None,
+             replan=None, kv_factory=make_kv_manager) -> SimulationResult:
     """Replay ``trace`` (sorted by arrival) on a pool of ``num_blocks`` blocks; ``on_step(manager)``
-    is called after every step, ``progress(n)`` with each n requests finished or rejected."""
+    is called after every step, ``progress(n)`` with each n requests finished or rejected.
+    ``replan(finished_records)``, when given, is asked whenever the pool is empty (every request so
+    far finished, more to come) and may return a new ``CacheConfig`` (its ``num_kv_blocks`` set):
+    the pool is then rebuilt with that block size, as a deployment re-planned between bursts.
+    ``kv_factory(cache, num_blocks, max_model_len)`` builds the KV manager (placement experiments
+    pass their own; default: the engine's ``make_kv_manager``)."""
     if scheduler.preemption_mode == "swap":
         raise ValueError("the simulator replays preemption_mode='recompute' only (no host tier model yet)")
     vocab = vocab_size or timing.model.vocab_size
-    kv = make_kv_manager(cache, num_blocks, scheduler.max_model_len)
+    kv = kv_factory(cache, num_blocks, scheduler.max_model_len)
     sched = Scheduler(scheduler, kv)
-    records = [RequestRecord(str(i), r.arrival, r.prompt_len or 0, r.output_len) for i, r in enumerate(trace)]
+    records = [RequestRecord(f"r{i}", r.arrival, r.prompt_len or 0, r.output_len) for i, r in enumerate(trace)]
     by_id = {rec.request_id: rec for rec in records}
     pending = deque(zip(records, trace, strict=True))
     steps: list[StepSample] = []
     finish_order: list[str] = []
-    clock, empty = 0.0, 0
+    clock, empty, control = 0.0, 0, 0.0
+    retired = dict.fromkeys(RETIRED_COUNTERS, 0)  # counters of pools replaced by a re-plan
+    replans: list[tuple[float, int]] = []
     while pending or sched.has_unfinished():
         while pending and pending[0][0].arrival <= clock:
             rec, r = pending.popleft()
@@ -163,13 +192,24 @@ def simulate(trace: list[TraceRequest], timing: StepTimeModel, cache: CacheConfi
                     progress(1)
                 continue
             params = SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True)
-            sched.add(Request(rec.request_id, prompt_token_ids(r, vocab, int(rec.request_id)), params, r.output_len,
+            sched.add(Request(rec.request_id, prompt_token_ids(r, vocab, int(rec.request_id[1:])), params, r.output_len,
                               arrival_time=rec.arrival))
         if not sched.has_unfinished():
             if pending:  # idle until the next arrival (the last ones may all have been rejected)
+                new = replan([rec for rec in records if rec.status == "length"]) if replan is not None else None
+                if new is not None and new.block_size != cache.block_size:
+                    st = kv.stats()
+                    for k in RETIRED_COUNTERS:
+                        retired[k] += st[k]
+                    cache, num_blocks = new, new.num_kv_blocks
+                    kv = kv_factory(cache, num_blocks, scheduler.max_model_len)
+                    sched = Scheduler(scheduler, kv)
+                    replans.append((clock, cache.block_size))
                 clock = max(clock, pending[0][0].arrival)
             continue
+        t0 = time.perf_counter()
         out = sched.schedule()
+        control += time.perf_counter() - t0
         if out.is_empty:
             empty += 1
             if empty >= 2:  # nothing can ever run (the engine fails these requests the same way)
@@ -185,7 +225,10 @@ def simulate(trace: list[TraceRequest], timing: StepTimeModel, cache: CacheConfi
         seconds = timing.step_seconds(out)
         clock += seconds
         sampled = {c.request_id: STAND_IN_TOKEN for c in out.chunks if c.sample}
-        for req in sched.update(out, sampled):
+        t0 = time.perf_counter()
+        updated = sched.update(out, sampled)
+        control += time.perf_counter() - t0
+        for req in updated:
             rec = by_id[req.request_id]
             if rec.first_token is None:
                 rec.first_token = clock
@@ -198,8 +241,12 @@ def simulate(trace: list[TraceRequest], timing: StepTimeModel, cache: CacheConfi
                     progress(1)
         st = kv.stats()
         steps.append(StepSample(clock, seconds, len(out.chunks), out.num_batched_tokens, st["num_used_blocks"],
-                                st["fragmentation"]))
+                                st["fragmentation"], cache.block_size))
         if on_step is not None:
             on_step(kv)
-    return SimulationResult(records, steps, finish_order, kv.stats(), cache.block_size,
-                            cache.block_size * timing.model.kv_bytes_per_token(timing.kv_dtype_bytes))
+    stats = kv.stats()
+    for k in RETIRED_COUNTERS:
+        stats[k] += retired[k]
+    return SimulationResult(records, steps, finish_order, stats, cache.block_size,
+                            cache.block_size * timing.model.kv_bytes_per_token(timing.kv_dtype_bytes),
+                            longest_admissible(kv, scheduler.max_model_len), control, replans)

@@ -50,3 +50,26 @@ def text_workload(num_requests: int, input_len: tuple[int, int], output_len: tup
         n = rng.randint(*input_len)
         out.append(TextRequest(" ".join(rng.choice(WORDS) for _ in range(n)), n, rng.randint(*output_len)))
     return out
+
+
+def _word_stream(name: str, count: int) -> list[str]:
+    """The first ``count`` words of a deterministic stream named ``name`` (same name, same words)."""
+    rng = random.Random(name)
+    return [rng.choice(WORDS) for _ in range(count)]
+
+
+def trace_text_workload(trace) -> list[TextRequest]:
+    """Text prompts for a trace's requests (``bench/traces.py``): a request's own ``prompt``, else
+    ``prompt_len`` words that keep the trace's sharing as ``traces.prompt_token_ids`` keeps it in
+    token ids: its shared prefix's words, then its conversation's (so a turn starts with the
+    previous turn's prompt) or its own. One word is one token in SmolLM2's vocabulary."""
+    out = []
+    for i, r in enumerate(trace):
+        if r.prompt is not None:
+            out.append(TextRequest(r.prompt, len(r.prompt.split()), r.output_len))
+            continue
+        head = _word_stream(f"prefix:{r.prefix_id}", r.prefix_len) if r.prefix_len else []
+        rest = f"conversation:{r.conversation}" if r.conversation is not None else f"request:{i}"
+        words = head + _word_stream(rest, r.prompt_len - r.prefix_len)
+        out.append(TextRequest(" ".join(words), len(words), r.output_len))
+    return out

@@ -1,10 +1,11 @@
 """Continuous batching: which requests run in the next step, and with how many tokens.
 
 Every step spends one token budget (``max_num_batched_tokens``): running requests first (oldest
-first), then waiting ones (FCFS) while there are sequence slots (``max_num_seqs``). A prompt that
-does not fit the budget is prefilled in chunks over several steps; prefill and decode share a
-step. When the KV pool runs out, a running request is preempted (the eviction policy chooses: the
-newest under the default ``lru``; see ``kvcache/eviction.py``). With ``preemption_mode="recompute"`` its blocks
+first), then waiting ones (FCFS) while there are sequence slots (``max_num_seqs``) and the free
+pool holds the request's whole prompt. A prompt that does not fit the budget is prefilled in
+chunks over several steps; prefill and decode share a step. When the KV pool runs out, a running
+request is preempted (the eviction policy chooses: the newest under the default ``lru``; see
+``kvcache/eviction.py``). With ``preemption_mode="recompute"`` its blocks
 are freed and it goes back to the front of the waiting queue, to be recomputed (prompt + tokens
 so far; the prefix cache usually still holds most of it). With ``"swap"`` its blocks are copied to
 the host tier (recompute if that is full) and it waits in ``swapped``; swapped requests come back
@@ -140,6 +141,8 @@ class Scheduler:
                     if req.use_prefix_cache else []
                 num_cached = len(cached) * self.kv.block_size
                 num_new = min(req.num_tokens - num_cached, budget)
+                if not self._whole_prompt_fits(req, cached):
+                    break
                 if not self.kv.allocate_slots(req.request_id, num_cached + num_new, cached,
                                               max_total_tokens=req.num_prompt_tokens + req.max_tokens):
                     break
@@ -156,6 +159,16 @@ class Scheduler:
         out.copies = self.kv.take_copies()
         out.swap_out, out.swap_in = self.kv.take_swaps()
         return out
+
+    def _whole_prompt_fits(self, req: Request, cached) -> bool:
+        """Admission control: a request starts only if the free pool holds its whole prompt (and
+        tokens so far), though this step allocates only its first chunk. Otherwise a long prompt
+        admitted on its first chunk runs the pool dry on a later one and preempts a request that
+        is part-way through its own prefill (with recompute, that work is lost), or is preempted
+        itself: requests would take turns destroying each other's prefills."""
+        reclaimed = sum(1 for b in cached if b.ref_count == 0)  # free cached blocks a hit takes back
+        need = self.kv.blocks_for_tokens(req.num_tokens) - len(cached)
+        return need + reclaimed <= self.kv.num_free_blocks
 
     def _chunk(self, req: Request, num_new: int) -> ScheduledChunk:
         start = req.num_computed_tokens

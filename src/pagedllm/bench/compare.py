@@ -1,0 +1,143 @@
+"""``pagedllm bench compare``: paged vs contiguous KV on the real model, at one KV budget, in one report.
+
+One trace (``--trace``, or a generated ``--workload``) replayed through the real engine three
+times, with the same model, options and KV memory budget:
+
+- ``contiguous``: the pre-PagedAttention baseline; every request reserves ``max_model_len`` slots
+  up front (its default is the model's context length, as the systems before vLLM reserved);
+- ``paged``: blocks on demand, prefix caching off (what paging alone gives);
+- ``paged + prefix caching``: blocks on demand and shared prefixes reused.
+
+Each run is measured on the wall clock (``engine_replay.replay``: arrivals at the trace's times x
+``--time-scale``); the report has, per run, the longest sequence the pool admits, fragmentation
+(reserved-but-unfilled KV slots, mean and max over steps), peak KV memory, the most concurrent
+sequences, output tokens/s and requests/s, TTFT and TPOT p50/p99, preemptions, prefix-cache hit
+rate, and cost per million output tokens at ``--price-per-hour``; printed in the mission's row
+order beside the mission's claimed figures (``mission.py``), with PNG plots of KV memory,
+batch and fragmentation over time (``--plot DIR``) and a JSON report (``--json``).
+
+The runs go one after another, so machine drift between them enters the ratios; the report
+names the CPU.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import math
+from pathlib import Path
+
+from pagedllm.bench.engine_replay import replay
+from pagedllm.bench.machine import machine_info
+from pagedllm.bench.mission import CLAIMED_SETUP, cost_per_m_tokens, format_table
+from pagedllm.bench.simulator import SimulationResult
+from pagedllm.bench.traces import make_trace, read_trace, summary
+
+CONFIGS = {  # name: (kv_layout, enable_prefix_caching)
+    "contiguous": ("contiguous", False),
+    "paged": ("paged", False),
+    "paged + prefix caching": ("paged", True),
+}
+WARMUP_PROMPT = list(range(3, 67))  # ids below the traces' (>= 100): never a prefix-cache hit for them
+
+
+def load_trace(args):
+    if args.trace:
+        return read_trace(args.trace)
+    return make_trace(args.workload, args.num_requests, float(args.rate), args.seed)
+
+
+def run_config(args, trace, layout: str, caching: bool, desc: str) -> tuple[dict, SimulationResult]:
+    from tqdm import tqdm
+
+    from pagedllm import LLM, SamplingParams
+
+    options = dict(model=args.model, dtype=args.dtype, block_size=args.block_size,
+                   kv_cache_memory=args.kv_cache_memory, quantization=args.quantization, kv_layout=layout,
+                   enable_prefix_caching=caching, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                   max_num_batched_tokens=args.max_num_batched_tokens)
+    llm = LLM(**{k: v for k, v in options.items() if v is not None})
+    engine = llm.engine
+    llm.generate([{"prompt_token_ids": WARMUP_PROMPT}], SamplingParams(max_tokens=4, ignore_eos=True),
+                 use_tqdm=False)
+    per_block = engine.runner.kv.nbytes / engine.kv_manager.num_blocks
+    with tqdm(total=len(trace), desc=desc, unit="req", disable=args.no_progress, leave=False) as bar:
+        result = replay(engine, trace, args.time_scale, progress=bar.update, bytes_per_block=per_block)
+    out = result.summary()
+    out["cost_per_m_tokens"] = cost_per_m_tokens(args.price_per_hour, out["output_tokens_per_s"])
+    out.update(num_blocks=engine.kv_manager.num_blocks, block_size=engine.config.cache.block_size,
+               kv_pool_bytes=engine.kv_manager.num_blocks * per_block,
+               max_model_len=engine.config.scheduler.max_model_len, errors=sorted(set(result.kv["errors"].values())))
+    del llm, engine
+    gc.collect()
+    return out, result
+
+
+def run(args) -> dict:
+    trace = load_trace(args)
+    names = [n.strip() for n in args.configs.split(",")]
+    for n in names:
+        if n not in CONFIGS:
+            raise ValueError(f"--configs: unknown run {n!r} (choose from {', '.join(CONFIGS)})")
+    if not math.isfinite(args.price_per_hour) or args.price_per_hour < 0:
+        raise ValueError(f"--price-per-hour must be a non-negative number, got {args.price_per_hour}")
+    report = {"machine": machine_info(), "trace": {"source": args.trace or args.workload, **summary(trace)},
+              "time_scale": args.time_scale, "kv_cache_memory": str(args.kv_cache_memory),
+              "price_per_hour": args.price_per_hour, "claims": CLAIMED_SETUP, "results": {}}
+    results: dict[str, SimulationResult] = {}
+    for name in names:
+        layout, caching = CONFIGS[name]
+        report["results"][name], results[name] = run_config(args, trace, layout, caching, name)
+    print(format_report(report))
+    if args.plot:
+        plot(results, Path(args.plot), report)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    return report
+
+
+def format_report(report: dict, markdown: bool = False) -> str:
+    first = next(iter(report["results"].values()))
+    t, m = report["trace"], report["machine"]
+    head = (f"{t['source']}: {t['requests']} requests (mean prompt {t['mean_prompt_len']}, output "
+            f"{t['mean_output_len']} tokens), time scale {report['time_scale']}; KV budget "
+            f"{report['kv_cache_memory']} = {first['num_blocks']} blocks of {first['block_size']}, max_model_len "
+            f"{first['max_model_len']}; ${report['price_per_hour']}/machine-hour\n"
+            f"machine: {m['cpu']}, {m['cores']} cores, {' '.join(m['flags']) or 'no avx512/amx'}")
+    table = format_table(report["results"], claims=True, markdown=markdown)
+    return f"{head}\n{table}\n(claimed: the mission's figures for {report['claims']})"
+
+
+def plot(results: dict[str, SimulationResult], folder: Path, report: dict) -> None:
+    """``compare_timeline.png``: KV memory held, sequences per step and fragmentation over time."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    folder.mkdir(parents=True, exist_ok=True)
+    fig, axes = plt.subplots(3, 1, figsize=(8, 8), sharex=True)
+    for name, res in results.items():
+        t = [s.time for s in res.steps]
+        axes[0].plot(t, [s.used_blocks * res.bytes_per_block / 2**20 for s in res.steps], label=name)
+        axes[1].plot(t, [s.num_seqs for s in res.steps], label=name)
+        axes[2].plot(t, [100 * s.fragmentation for s in res.steps], label=name)
+    axes[0].set_ylabel("KV memory held (MiB)")
+    axes[1].set_ylabel("sequences in the step")
+    axes[2].set_ylabel("fragmentation (%)")
+    axes[2].set_xlabel("seconds")
+    axes[0].legend()
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    t = report["trace"]
+    fig.suptitle(f"paged vs contiguous KV, {t['source']} ({t['requests']} requests), "
+                 f"budget {report['kv_cache_memory']}")
+    fig.tight_layout()
+    fig.savefig(folder / "compare_timeline.png", dpi=110)
+    plt.close(fig)
+
+
+def main(args) -> dict:
+    if args.time_scale < 0 or not math.isfinite(args.time_scale):
+        raise ValueError(f"--time-scale must be a non-negative number, got {args.time_scale}")
+    return run(args)

@@ -1,0 +1,226 @@
+"""``pagedllm plan``: what to deploy with, for a trace, a model and a device, asked of the simulator.
+
+Four stages, each simulating the trace (paged layout, prefix caching on) and keeping the winner
+for the next:
+
+1. **Block size** by the formula (``block_size.sweep``: ``argmin Memory(B)/B + alpha * Overhead(B)``).
+2. **KV memory**: the pool as a share of the memory the weights leave (``--memory-shares``, default
+   10..90%); the recommendation is the smallest share whose throughput is within
+   ``--tolerance`` (2%) of the best share's and that preempts no more than it: memory beyond that
+   buys nothing on this trace. The mission's "pre-allocate 20-30% of memory" rule is checked
+   against it (what 20% and 30% give).
+3. **Batch limits**: ``max_num_seqs`` x ``max_num_batched_tokens`` (``--max-num-seqs``,
+   ``--max-num-batched-tokens``), ranked by output tokens/s, then TTFT p99, then preemptions.
+4. **dtype** of the KV cache, among those the engine has (``--dtypes``: bfloat16, float16,
+   float32). The engine keeps K/V in the model's dtype, so this is the ``dtype`` option and
+   changes the weights' bytes too; the step model keeps the device's bf16 peak for every dtype,
+   which flatters float32 on GPUs.
+
+Prints the recommendation and its runners-up (the next configurations of the last ranking) with
+simulated throughput, TTFT p99 and preemption rate (preemptions per request), and the options to
+pass (``LLM(...)`` / ``pagedllm serve``); ``--json`` writes everything. No torch: seconds to a
+minute for a thousand-request trace.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from pagedllm.bench.block_size import choose, parse_block_sizes, sweep
+from pagedllm.bench.shapes import DTYPE_BYTES, get_device, get_model
+from pagedllm.bench.simulate_cmd import load_trace
+from pagedllm.bench.simulator import StepTimeModel, simulate
+from pagedllm.config import CacheConfig, SchedulerConfig
+
+MEMORY_SHARES = (0.1, 0.2, 0.3, 0.5, 0.7, 0.9)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    block_size: int
+    memory_share: float
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    dtype: str  # the model's, and so the KV cache's
+
+    def options(self, pool_bytes: int) -> dict:
+        return {"block_size": self.block_size, "kv_cache_memory": f"{pool_bytes // 2**20}MiB",
+                "max_num_seqs": self.max_num_seqs, "max_num_batched_tokens": self.max_num_batched_tokens,
+                "dtype": self.dtype}
+
+
+def _ints(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{flag} must be comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise ValueError(f"{flag} must be positive integers, got {text!r}")
+    return values
+
+
+def _shares(text: str) -> list[float]:
+    try:
+        values = [float(x.strip().rstrip("%")) / 100 for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--memory-shares must be percentages like 20%,30%, got {text!r}") from None
+    if not values or not all(0 < v <= 1 for v in values):
+        raise ValueError(f"--memory-shares must be in (0%, 100%], got {text!r}")
+    return sorted(set(values))
+
+
+class Planner:
+    def __init__(self, trace, model, device, max_model_len: int, prefix_caching: bool = True,
+                 memory_utilization: float = 0.9) -> None:
+        self.trace, self.model, self.device = trace, model, device
+        self.max_model_len, self.prefix_caching = max_model_len, prefix_caching
+        self.memory_utilization = memory_utilization
+        self.runs = 0
+
+    def usable(self, dtype: str) -> int:
+        """Bytes left for KV at ``memory_utilization`` once the weights (in ``dtype``) are loaded."""
+        weights = self.model.weight_bytes(DTYPE_BYTES[dtype])
+        left = int(self.memory_utilization * self.device.memory_bytes) - weights
+        if left <= 0:
+            raise ValueError(f"{self.model.name} ({weights / 2**30:.1f} GiB of {dtype} weights) does not fit "
+                             f"{self.device.name} ({self.device.memory_bytes / 2**30:.1f} GiB)")
+        return left
+
+    def pool_bytes(self, share: float, dtype: str) -> int:
+        return int(share * self.usable(dtype))
+
+    def timing(self, dtype: str) -> StepTimeModel:
+        return StepTimeModel(self.model, self.device, DTYPE_BYTES[dtype], DTYPE_BYTES[dtype])
+
+    def sched(self, c: Candidate) -> SchedulerConfig:
+        return SchedulerConfig(max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
+                               max_model_len=self.max_model_len)
+
+    def evaluate(self, c: Candidate) -> dict:
+        timing = self.timing(c.dtype)
+        pool = self.pool_bytes(c.memory_share, c.dtype)
+        num_blocks = int(pool // (c.block_size * self.model.kv_bytes_per_token(timing.kv_dtype_bytes)))
+        if num_blocks < 1:
+            return {"candidate": c, "pool_bytes": pool, "output_tokens_per_s": 0.0, "ttft_p99_s": None,
+                    "preemption_rate": None, "finished": 0, "rejected": len(self.trace)}
+        cache = CacheConfig(block_size=c.block_size, num_kv_blocks=num_blocks,
+                            enable_prefix_caching=self.prefix_caching)
+        self.runs += 1
+        s = simulate(self.trace, timing, cache, self.sched(c), num_blocks).summary()
+        return {"candidate": c, "pool_bytes": pool, "output_tokens_per_s": s["output_tokens_per_s"],
+                "ttft_p99_s": s["ttft_p99_s"], "preemption_rate": round(s["preemptions"] / len(self.trace), 4),
+                "finished": s["finished"], "rejected": s["rejected"], "mean_fragmentation": s["mean_fragmentation"],
+                "peak_kv_bytes": s["peak_kv_bytes"]}
+
+
+def rank_key(r: dict):
+    """Higher throughput first, then fewer rejections, lower TTFT p99, fewer preemptions."""
+    return (-r["output_tokens_per_s"], r["rejected"], r["ttft_p99_s"] if r["ttft_p99_s"] is not None else 1e30,
+            r["preemption_rate"] if r["preemption_rate"] is not None else 1e30)
+
+
+def smallest_sufficient(results: list[dict], tolerance: float) -> dict:
+    """The smallest memory share within ``tolerance`` of the best throughput, preempting and
+    rejecting no more than the best does."""
+    best = min(results, key=rank_key)
+    for r in sorted(results, key=lambda r: r["candidate"].memory_share):
+        if (r["output_tokens_per_s"] >= (1 - tolerance) * best["output_tokens_per_s"]
+                and r["rejected"] <= best["rejected"]
+                and (r["preemption_rate"] or 0) <= (best["preemption_rate"] or 0)):
+            return r
+    return best
+
+
+def plan(planner: Planner, block_sizes, alpha: float, shares, seqs, batched, dtypes, tolerance: float,
+         start: Candidate, progress=None) -> dict:
+    tick = progress or (lambda n: None)
+    # 1. block size by the formula, at the starting limits and memory
+    timing = planner.timing(start.dtype)
+    points = sweep(planner.trace, timing, planner.pool_bytes(start.memory_share, start.dtype), planner.sched(start),
+                   block_sizes, alpha, planner.prefix_caching)
+    tick(1)
+    c = replace(start, block_size=choose(points))
+    # 2. KV memory share
+    memory = [planner.evaluate(replace(c, memory_share=share)) for share in shares]
+    tick(1)
+    chosen_memory = smallest_sufficient(memory, tolerance)
+    c = chosen_memory["candidate"]
+    # 3. batch limits
+    limits = sorted((planner.evaluate(replace(c, max_num_seqs=n, max_num_batched_tokens=t))
+                     for n in seqs for t in batched), key=rank_key)
+    tick(1)
+    c = limits[0]["candidate"]
+    # 4. dtype (of the KV cache, and so of the model)
+    by_dtype = [planner.evaluate(replace(c, dtype=d)) if d != c.dtype else limits[0] for d in dtypes]
+    tick(1)
+    final = sorted({id(r): r for r in by_dtype + limits}.values(), key=rank_key)
+    rule = {f"{int(100 * s)}%": planner.evaluate(replace(final[0]["candidate"], memory_share=s)) for s in (0.2, 0.3)}
+    return {"block_sweep": points, "memory": memory, "memory_choice": chosen_memory, "limits": limits,
+            "dtypes": by_dtype, "recommended": final[0], "runners_up": final[1:3], "memory_rule": rule}
+
+
+def _row(r: dict) -> str:
+    c = r["candidate"]
+    ttft = "-" if r["ttft_p99_s"] is None else f"{1000 * r['ttft_p99_s']:.0f} ms"
+    return (f"B={c.block_size:<4} KV {100 * c.memory_share:>3.0f}% ({r['pool_bytes'] / 2**30:6.2f} GiB) "
+            f"seqs {c.max_num_seqs:<4} tokens {c.max_num_batched_tokens:<6} {c.dtype:<9} -> "
+            f"{r['output_tokens_per_s']:>9.1f} out tok/s, TTFT p99 {ttft:>9}, "
+            f"preemptions/request {r['preemption_rate']}, rejected {r['rejected']}")
+
+
+def _jsonable(obj):
+    if isinstance(obj, Candidate):
+        return obj.__dict__
+    if isinstance(obj, dict):
+        return {k: _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_jsonable(v) for v in obj]
+    return obj
+
+
+def main(args) -> dict:
+    from tqdm import tqdm
+
+    model, device = get_model(args.model), get_device(args.device)
+    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    if not dtypes or any(d not in DTYPE_BYTES for d in dtypes):
+        raise ValueError(f"--dtypes must be among {', '.join(DTYPE_BYTES)}, got {args.dtypes!r}")
+    if not 0 <= args.tolerance < 1:
+        raise ValueError(f"--tolerance must be in [0, 1), got {args.tolerance}")
+    trace = load_trace(args)
+    planner = Planner(trace, model, device, args.max_model_len, args.prefix_caching, args.memory_utilization)
+    seqs = _ints(args.max_num_seqs, "--max-num-seqs")
+    batched = _ints(args.max_num_batched_tokens, "--max-num-batched-tokens")
+    shares = _shares(args.memory_shares)
+    start = Candidate(16, shares[-1], max(seqs), max(batched), dtypes[0])
+    with tqdm(total=4, desc="plan", disable=args.no_progress, leave=False) as bar:
+        result = plan(planner, parse_block_sizes(args.block_sizes), args.alpha, shares, seqs, batched,
+                      dtypes, args.tolerance, start, bar.update)
+    rec = result["recommended"]
+    dtype = rec["candidate"].dtype
+    print(f"{model.name} on {device.name}, {len(trace)} requests ({args.trace or args.workload}); {dtype} weights "
+          f"{model.weight_bytes(DTYPE_BYTES[dtype]) / 2**30:.1f} GiB, {planner.usable(dtype) / 2**30:.1f} GiB left at "
+          f"{args.memory_utilization:.0%} utilization; {planner.runs} simulations")
+    print("recommended: " + _row(rec))
+    for i, r in enumerate(result["runners_up"], 1):
+        print(f"runner-up {i}: " + _row(r))
+    opts = rec["candidate"].options(rec["pool_bytes"])
+    print("options: " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in opts.items()))
+    print(f"block size by the formula (alpha {args.alpha}): B_opt = {rec['candidate'].block_size}")
+    print("KV memory (share of what the weights leave): " + ", ".join(
+        f"{100 * r['candidate'].memory_share:.0f}%: {r['output_tokens_per_s']:.0f} tok/s, "
+        f"{r['preemption_rate']} preempt/req" for r in result["memory"]))
+    share = rec["candidate"].memory_share
+    rule = result["memory_rule"]
+    verdict = ("holds" if share <= 0.3 else "does not hold") + f": this trace needs {share:.0%}"
+    print(f"the mission's 20-30% rule {verdict} (20%: {rule['20%']['output_tokens_per_s']:.0f} tok/s, "
+          f"{rule['20%']['preemption_rate']} preempt/req; 30%: {rule['30%']['output_tokens_per_s']:.0f} tok/s, "
+          f"{rule['30%']['preemption_rate']} preempt/req)")
+    report = _jsonable({"model": model.name, "device": device.name, "requests": len(trace),
+                        "trace": args.trace or args.workload, "options": opts, **result, "simulations": planner.runs})
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    return report
+
