@@ -266,6 +266,8 @@ def make_parser() -> argparse.ArgumentParser:
                      help="default 8192 (--calibrate: the engine's 1024)")
     sim.add_argument("--max-model-len", type=int, default=4096)
     sim.add_argument("--layout", default="both", choices=["both", "paged", "contiguous"])
+    sim.add_argument("--contiguous-reservation", default="max_model_len", choices=["max_model_len", "request"],
+                     help="what a contiguous request reserves: max_model_len, or its own prompt + output length")
     sim.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                      help="prefix caching for the paged layout")
     sim.add_argument("--price-per-hour", type=float, default=None,

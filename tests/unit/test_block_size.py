@@ -52,8 +52,9 @@ def test_sweep_terms_follow_their_definitions():
     assert entries == sorted(entries, reverse=True)
     kernel = {8: 4e-6, 16: 2e-6, 32: 1e-6, 64: 1e-6}
     timed = sweep(trace, timing, pool, sched, [8, 16, 32, 64], 0.3, False, kernel_s_per_token=kernel)
-    for p, q in zip(points, timed, strict=True):  # the kernel term: time above the fastest B, per token time
-        extra = (kernel[p["block_size"]] - 1e-6) / q["token_s"]
+    for p, q in zip(points, timed, strict=True):  # the kernel term: time above the fastest B, on decoded tokens
+        assert 0 < q["decode_share"] < 1
+        extra = (kernel[p["block_size"]] - 1e-6) * q["decode_share"] / q["token_s"]
         assert q["overhead"] - q["control_s_per_token"] / q["token_s"] == pytest.approx(extra, abs=2e-6)
 
 

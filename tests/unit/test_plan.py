@@ -50,7 +50,7 @@ def test_plan_command_recommends_options_the_engine_accepts(tmp_path, capsys):
     assert set(report["memory_rule"]) == {"20%", "30%"}
     EngineOptions(**report["options"])  # the options are valid engine options
     text = capsys.readouterr().out
-    assert "recommended:" in text and "runner-up 1:" in text and "the mission's 20-30% rule holds" in text
+    assert "recommended:" in text and "runner-up 1:" in text and "pre-allocate 20-30% of memory) holds" in text
 
 
 @pytest.mark.parametrize("flag, value, message", [("--dtypes", "int3", "--dtypes"),

@@ -11,13 +11,14 @@ with the terms defined so that both are shares of the run's cost (docs/simulator
   sequence's partly filled last block; 0..B-1 per block). ``Memory(B) / B`` is then the share of
   the KV memory held that holds no token: the fragmentation every other report shows.
 - ``Overhead(B)``: block-management and kernel time per token, as a share of the step time per
-  token at that B: ``(control(B) + kernel(B) - min_B kernel) / token_time(B)``. ``control(B)``:
+  token at that B: ``(control(B) + d * (kernel(B) - min_B kernel)) / token_time(B)``. ``control(B)``:
   the wall time of the engine's own control plane (scheduler, block tables, allocator, prefix
   cache: the simulator runs exactly that Python; its ``schedule()`` and ``update()`` calls are
   timed) per token processed, measured here. ``kernel(B)``: the decode attention time per token
   with blocks of B, measured on this machine with the C++ kernel (``--kernel-times``; SmolLM2 on
-  this CPU only: the kernel is this machine's). ``token_time(B)``: the step-time model's busy
-  seconds per token.
+  this CPU only: the kernel is this machine's); ``d`` the share of processed tokens that are
+  decoded (prefill tokens do not run the decode kernel). ``token_time(B)``: the step-time
+  model's busy seconds per token.
 
 Block-table entries per token (one allocator call and one free per entry) are reported beside
 them. ``--check-engine`` then runs the real engine at B_opt and its neighbours on the same trace
@@ -64,6 +65,7 @@ def sweep(trace, timing, pool_bytes: int, sched, block_sizes, alpha: float, pref
         tokens = sum(step.num_tokens for step in res.steps)
         busy = sum(step.seconds for step in res.steps)
         done = [r for r in res.requests if r.status == "length"]
+        decode_share = sum(r.output_len - 1 for r in done) / tokens  # tokens that run the decode kernel
         entries = sum(math.ceil((r.prompt_len + r.output_len) / b) for r in done)
         points.append({
             "block_size": b, "num_blocks": num_blocks, "memory": s["mean_fragmentation"] * b,
@@ -71,6 +73,7 @@ def sweep(trace, timing, pool_bytes: int, sched, block_sizes, alpha: float, pref
             "token_s": busy / tokens, "table_entries_per_token": round(entries / max(1, sum(
                 r.prompt_len + r.output_len for r in done)), 4),
             "kernel_s_per_token": None if kernel_s_per_token is None else kernel_s_per_token[b],
+            "decode_share": round(decode_share, 4),
             "output_tokens_per_s": s["output_tokens_per_s"], "ttft_p99_s": s["ttft_p99_s"],
             "preemptions": s["preemptions"], "prefix_cache_hit_rate": s["prefix_cache_hit_rate"],
             "max_batch": s["max_batch"], "finished": s["finished"], "rejected": s["rejected"],
@@ -79,7 +82,7 @@ def sweep(trace, timing, pool_bytes: int, sched, block_sizes, alpha: float, pref
             progress(1)
     kernel_floor = min((p["kernel_s_per_token"] for p in points if p["kernel_s_per_token"] is not None), default=0.0)
     for p in points:
-        extra = p["kernel_s_per_token"] - kernel_floor if p["kernel_s_per_token"] is not None else 0.0
+        extra = 0.0 if p["kernel_s_per_token"] is None else (p["kernel_s_per_token"] - kernel_floor) * p["decode_share"]
         p["overhead"] = round((p["control_s_per_token"] + extra) / p["token_s"], 6)
         p["objective"] = round(objective(p, alpha), 6)
     return points
@@ -90,23 +93,29 @@ def choose(points: list[dict]) -> int:
 
 
 def measure_kernel(block_sizes, context: int, repeats: int = 20) -> dict[int, float]:
-    """Seconds of decode attention per sequence-token for SmolLM2 (every layer), batch ``KERNEL_BATCH``
-    at ``context`` tokens, with the C++ kernel, per block size (medians of ``repeats`` calls)."""
+    """Seconds of decode attention per decoded token for SmolLM2 (every layer), batch ``KERNEL_BATCH``
+    at ``context`` tokens, with the C++ kernel, per block size: medians of ``repeats`` calls, the
+    block sizes taking turns call by call so that drift on a shared machine falls on all of them."""
+    import statistics
+    import time
+
     import torch
 
     from pagedllm.attention.backends import get_backend
-    from pagedllm.bench.attention_bench import _case, _time
+    from pagedllm.bench.attention_bench import _case
     from pagedllm.bench.shapes import MODELS
 
     layers = MODELS["smollm2-135m"].num_layers
     backend = get_backend("cpu", "cpu", 64)
     gen = torch.Generator().manual_seed(0)
-    out = {}
-    for b in block_sizes:
-        q, kc, vc, meta, *_ = _case(KERNEL_BATCH, context, b, torch.bfloat16, gen, "cpu")
-        t = _time(lambda q=q, kc=kc, vc=vc, meta=meta: backend.forward(q, kc, vc, meta), repeats)
-        out[b] = t * layers / KERNEL_BATCH
-    return out
+    cases = {b: _case(KERNEL_BATCH, context, b, torch.bfloat16, gen, "cpu")[:4] for b in block_sizes}
+    times: dict[int, list[float]] = {b: [] for b in block_sizes}
+    for _ in range(repeats + 1):
+        for b, (q, kc, vc, meta) in cases.items():
+            t0 = time.perf_counter()
+            backend.forward(q, kc, vc, meta)
+            times[b].append(time.perf_counter() - t0)
+    return {b: statistics.median(t[1:]) * layers / KERNEL_BATCH for b, t in times.items()}
 
 
 def check_engine(args, trace, block_sizes: list[int], pool_bytes: int) -> list[dict]:

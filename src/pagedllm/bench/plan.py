@@ -8,7 +8,8 @@ for the next:
    10..90%); the recommendation is the smallest share whose throughput is within
    ``--tolerance`` (2%) of the best share's and that preempts no more than it: memory beyond that
    buys nothing on this trace. The mission's "pre-allocate 20-30% of memory" rule is checked
-   against it (what 20% and 30% give).
+   against it: the recommended pool as a share of the device's memory, and what pools of 20% and
+   30% of the device's memory give on the trace.
 3. **Batch limits**: ``max_num_seqs`` x ``max_num_batched_tokens`` (``--max-num-seqs``,
    ``--max-num-batched-tokens``), ranked by output tokens/s, then TTFT p99, then preemptions.
 4. **dtype** of the KV cache, among those the engine has (``--dtypes``: bfloat16, float16,
@@ -156,7 +157,10 @@ def plan(planner: Planner, block_sizes, alpha: float, shares, seqs, batched, dty
     by_dtype = [planner.evaluate(replace(c, dtype=d)) if d != c.dtype else limits[0] for d in dtypes]
     tick(1)
     final = sorted({id(r): r for r in by_dtype + limits}.values(), key=rank_key)
-    rule = {f"{int(100 * s)}%": planner.evaluate(replace(final[0]["candidate"], memory_share=s)) for s in (0.2, 0.3)}
+    best = final[0]["candidate"]
+    device_memory, usable = planner.device.memory_bytes, planner.usable(best.dtype)
+    rule = {f"{int(100 * s)}%": planner.evaluate(replace(best, memory_share=min(1.0, s * device_memory / usable)))
+            for s in (0.2, 0.3)}  # the rule's share is of the device's memory
     return {"block_sweep": points, "memory": memory, "memory_choice": chosen_memory, "limits": limits,
             "dtypes": by_dtype, "recommended": final[0], "runners_up": final[1:3], "memory_rule": rule}
 
@@ -212,13 +216,15 @@ def main(args) -> dict:
     print("KV memory (share of what the weights leave): " + ", ".join(
         f"{100 * r['candidate'].memory_share:.0f}%: {r['output_tokens_per_s']:.0f} tok/s, "
         f"{r['preemption_rate']} preempt/req" for r in result["memory"]))
-    share = rec["candidate"].memory_share
+    of_device = rec["pool_bytes"] / device.memory_bytes
     rule = result["memory_rule"]
-    verdict = ("holds" if share <= 0.3 else "does not hold") + f": this trace needs {share:.0%}"
-    print(f"the mission's 20-30% rule {verdict} (20%: {rule['20%']['output_tokens_per_s']:.0f} tok/s, "
-          f"{rule['20%']['preemption_rate']} preempt/req; 30%: {rule['30%']['output_tokens_per_s']:.0f} tok/s, "
-          f"{rule['30%']['preemption_rate']} preempt/req)")
+    verdict = "holds" if of_device <= 0.3 else "does not hold"
+    print(f"the mission's rule (pre-allocate 20-30% of memory) {verdict}: this trace needs "
+          f"{rec['pool_bytes'] / 2**30:.1f} GiB = {of_device:.0%} of the device's memory "
+          f"(20%: {rule['20%']['output_tokens_per_s']:.0f} tok/s, {rule['20%']['preemption_rate']} preempt/req; "
+          f"30%: {rule['30%']['output_tokens_per_s']:.0f} tok/s, {rule['30%']['preemption_rate']} preempt/req)")
     report = _jsonable({"model": model.name, "device": device.name, "requests": len(trace),
+                        "kv_share_of_device_memory": round(of_device, 4),
                         "trace": args.trace or args.workload, "options": opts, **result, "simulations": planner.runs})
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))

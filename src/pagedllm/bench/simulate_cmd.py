@@ -69,12 +69,14 @@ def run(args) -> dict:
     price = device.price_per_hour if args.price_per_hour is None else args.price_per_hour
     report = {"model": model.name, "device": device.name, "requests": len(trace), "kv_pool_bytes": pool,
               "num_blocks": num_blocks, "block_size": args.block_size, "max_model_len": args.max_model_len,
+              "contiguous_reservation": args.contiguous_reservation,
               "price_per_hour": price, "claims": (args.model, args.device) == ("llama-2-13b", "a100-80gb"),
               "results": {}}
     results: dict[str, SimulationResult] = {}
     for layout in layouts:
         cache = CacheConfig(block_size=args.block_size, num_kv_blocks=num_blocks, kv_layout=layout,
-                            enable_prefix_caching=layout == "paged" and args.prefix_caching)
+                            enable_prefix_caching=layout == "paged" and args.prefix_caching,
+                            contiguous_reservation=args.contiguous_reservation)
         bar = tqdm(total=len(trace), desc=f"simulate {layout}", unit="req", disable=args.no_progress, leave=False)
         t0 = time.perf_counter()
         results[layout] = simulate(trace, timing, cache, sched, num_blocks, progress=bar.update)
