@@ -47,11 +47,11 @@ def add_option_args(p: argparse.ArgumentParser, only: tuple[str, ...] | None = N
         flag = "--" + name.replace("_", "-")
         default = (defaults or {}).get(name, info.default)
         kind = _flag_type(info.annotation)
+        text = (info.description or "").replace("%", "%%")  # argparse formats help with %
         if kind is bool:
-            g.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=info.description)
+            g.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=text)
         else:
-            g.add_argument(flag, type=kind, default=default, choices=option_choices(info.annotation),
-                           help=info.description)
+            g.add_argument(flag, type=kind, default=default, choices=option_choices(info.annotation), help=text)
 
 
 def engine_options(args) -> dict:
@@ -207,6 +207,25 @@ def cmd_trace(args) -> int:
     return 0
 
 
+def add_trace_source(p: argparse.ArgumentParser, workload: str = "sharegpt", num_requests: int = 1000,
+                     seed: bool = True) -> None:
+    """``--trace FILE``, or a generated ``--workload`` with ``--num-requests``, ``--rate`` (and ``--seed``)."""
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--trace", default=None, help="a JSONL trace (pagedllm trace writes one)")
+    src.add_argument("--workload", default=workload, choices=["sharegpt", "alpaca", "chat", "code"],
+                     help="generate the trace instead (with --num-requests, --rate, --seed)")
+    p.add_argument("--num-requests", type=int, default=num_requests)
+    p.add_argument("--rate", type=float, default=math.inf,
+                   help="Poisson arrivals per second (chat: conversations per second; inf: all at t=0)")
+    if seed:
+        p.add_argument("--seed", type=int, default=0)
+
+
+def add_shape_presets(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="llama-2-13b", help="a model shape preset (see docs/simulator.md)")
+    p.add_argument("--device", default="a100-80gb", help="a device preset (see docs/simulator.md)")
+
+
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedllm", description="LLM inference over a paged KV cache")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -245,15 +264,8 @@ def make_parser() -> argparse.ArgumentParser:
     tr.set_defaults(func=cmd_trace)
     sim = sub.add_parser("simulate", help="replay a trace through the real scheduler and KV manager with a "
                                           "step-time model: any model shape, any device, paged vs contiguous")
-    src = sim.add_mutually_exclusive_group()
-    src.add_argument("--trace", default=None, help="a JSONL trace (pagedllm trace writes one)")
-    src.add_argument("--workload", default="sharegpt", choices=["sharegpt", "alpaca", "chat", "code"],
-                     help="generate the trace instead (with --num-requests, --rate, --seed)")
-    sim.add_argument("--num-requests", type=int, default=1000)
-    sim.add_argument("--rate", type=float, default=math.inf, help="Poisson arrivals per second (inf: all at t=0)")
-    sim.add_argument("--seed", type=int, default=0)
-    sim.add_argument("--model", default="llama-2-13b", help="a model shape preset (see docs/simulator.md)")
-    sim.add_argument("--device", default="a100-80gb", help="a device preset (see docs/simulator.md)")
+    add_trace_source(sim)
+    add_shape_presets(sim)
     sim.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     sim.add_argument("--kv-dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     sim.add_argument("--kv-memory", default=None, help="KV pool: bytes ('8GiB') or a share of what the weights "
@@ -301,15 +313,8 @@ def make_parser() -> argparse.ArgumentParser:
                     help="a sequence holding this many blocks takes large ones")
     sim.set_defaults(func=cmd_bench, bench_module="simulate_cmd")
     pl = sub.add_parser("plan", help="recommend block size, memory, batch limits and dtype for a trace, by simulation")
-    pl_src = pl.add_mutually_exclusive_group()
-    pl_src.add_argument("--trace", default=None, help="a JSONL trace (pagedllm trace writes one)")
-    pl_src.add_argument("--workload", default="sharegpt", choices=["sharegpt", "alpaca", "chat", "code"],
-                        help="generate the trace instead (with --num-requests, --rate, --seed)")
-    pl.add_argument("--num-requests", type=int, default=1000)
-    pl.add_argument("--rate", type=float, default=math.inf, help="Poisson arrivals per second (inf: all at t=0)")
-    pl.add_argument("--seed", type=int, default=0)
-    pl.add_argument("--model", default="llama-2-13b", help="a model shape preset (see docs/simulator.md)")
-    pl.add_argument("--device", default="a100-80gb", help="a device preset (see docs/simulator.md)")
+    add_trace_source(pl)
+    add_shape_presets(pl)
     pl.add_argument("--dtypes", default="bfloat16,float32",
                     help="dtypes to consider for the KV cache (the engine keeps K/V in the model's dtype)")
     pl.add_argument("--block-sizes", default="8,16,32,64,128")
@@ -454,13 +459,7 @@ def make_parser() -> argparse.ArgumentParser:
     pe.add_argument("--no-progress", action="store_true")
     cp = bench_parser("compare", "paged vs contiguous KV (prefix caching on and off) on a trace, one KV budget, "
                                  "the mission's table", "compare")
-    cp_src = cp.add_mutually_exclusive_group()
-    cp_src.add_argument("--trace", default=None, help="a JSONL trace (pagedllm trace writes one)")
-    cp_src.add_argument("--workload", default="chat", choices=["sharegpt", "alpaca", "chat", "code"],
-                        help="generate the trace instead (with --num-requests, --rate, --seed)")
-    cp.add_argument("--num-requests", type=int, default=48)
-    cp.add_argument("--rate", type=float, default=math.inf,
-                    help="Poisson arrivals per second (chat: conversations per second; inf: all at t=0)")
+    add_trace_source(cp, workload="chat", num_requests=48, seed=False)
     cp.add_argument("--time-scale", type=float, default=1.0,
                     help="multiply the trace's arrival times (0: every request at once, in trace order)")
     cp.add_argument("--configs", default="contiguous,paged,paged + prefix caching",

@@ -151,3 +151,28 @@ def test_trace_writes_a_seeded_jsonl_trace_and_rejects_a_bad_rate(tmp_path):
     r = run_cli("trace", "--workload", "code", "--rate", "fast", "--out", str(out))
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "--rate must be a number or inf, got 'fast'" in r.stderr
+
+
+def test_every_command_prints_its_help(capsys):
+    """``--help`` of every command and benchmark: an option whose description holds a % sign
+    ("25%") made argparse raise while formatting ``pagedllm generate --help``."""
+    import argparse
+
+    import pytest
+
+    from pagedllm.cli import main, make_parser
+
+    def commands(parser: argparse.ArgumentParser, prefix: list[str]):
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    yield prefix + [name]
+                    yield from commands(sub, prefix + [name])
+
+    names = list(commands(make_parser(), []))
+    assert ["generate"] in names and ["bench", "compare"] in names and ["plan"] in names
+    for argv in names:
+        with pytest.raises(SystemExit) as exit_:
+            main([*argv, "--help"])
+        assert exit_.value.code == 0, argv
+        assert "usage: pagedllm" in capsys.readouterr().out

@@ -110,31 +110,11 @@ def format_report(report: dict, markdown: bool = False) -> str:
 
 def plot(results: dict[str, SimulationResult], folder: Path, report: dict) -> None:
     """``compare_timeline.png``: KV memory held, sequences per step and fragmentation over time."""
-    import matplotlib
+    from pagedllm.bench.simulate_cmd import plot_timeline
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    folder.mkdir(parents=True, exist_ok=True)
-    fig, axes = plt.subplots(3, 1, figsize=(8, 8), sharex=True)
-    for name, res in results.items():
-        t = [s.time for s in res.steps]
-        axes[0].plot(t, [s.used_blocks * res.bytes_per_block / 2**20 for s in res.steps], label=name)
-        axes[1].plot(t, [s.num_seqs for s in res.steps], label=name)
-        axes[2].plot(t, [100 * s.fragmentation for s in res.steps], label=name)
-    axes[0].set_ylabel("KV memory held (MiB)")
-    axes[1].set_ylabel("sequences in the step")
-    axes[2].set_ylabel("fragmentation (%)")
-    axes[2].set_xlabel("seconds")
-    axes[0].legend()
-    for ax in axes:
-        ax.grid(alpha=0.3)
     t = report["trace"]
-    fig.suptitle(f"paged vs contiguous KV, {t['source']} ({t['requests']} requests), "
-                 f"budget {report['kv_cache_memory']}")
-    fig.tight_layout()
-    fig.savefig(folder / "compare_timeline.png", dpi=110)
-    plt.close(fig)
+    plot_timeline(results, folder / "compare_timeline.png", f"paged vs contiguous KV, {t['source']} "
+                  f"({t['requests']} requests), budget {report['kv_cache_memory']}", "seconds")
 
 
 def main(args) -> dict:

@@ -133,26 +133,40 @@ def format_report(report: dict) -> str:
     return "\n".join(lines)
 
 
-def plot(results: dict[str, SimulationResult], folder: Path, report: dict) -> None:
+def plot_timeline(results: dict[str, SimulationResult], path: Path, title: str, xlabel: str) -> None:
+    """One PNG, three panels over time for each run: KV memory held, sequences in the step, and
+    fragmentation. Shared by ``simulate --plot`` and ``bench compare --plot``."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    folder.mkdir(parents=True, exist_ok=True)
-    fig, axes = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    peak = max((s.used_blocks * r.bytes_per_block for r in results.values() for s in r.steps), default=0)
+    unit, scale = ("GiB", 2**30) if peak >= 2**30 else ("MiB", 2**20)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig, axes = plt.subplots(3, 1, figsize=(8, 8), sharex=True)
     for name, res in results.items():
         t = [s.time for s in res.steps]
-        axes[0].plot(t, [s.used_blocks * res.bytes_per_block / 2**30 for s in res.steps], label=name)
+        per_token = res.bytes_per_block / res.block_size
+        axes[0].plot(t, [s.used_blocks * (s.block_size or res.block_size) * per_token / scale for s in res.steps],
+                     label=name)
         axes[1].plot(t, [s.num_seqs for s in res.steps], label=name)
-    axes[0].set_ylabel("KV memory held (GiB)")
-    axes[1].set_ylabel("sequences in the step")
-    axes[1].set_xlabel("simulated time (s)")
+        axes[2].plot(t, [100 * s.fragmentation for s in res.steps], label=name)
+    for ax, label in zip(axes, (f"KV memory held ({unit})", "sequences in the step", "fragmentation (%)"),
+                         strict=True):
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    axes[2].set_xlabel(xlabel)
     axes[0].legend()
-    fig.suptitle(f"{report['model']} on {report['device']}, {report['requests']} requests")
+    fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(folder / "simulate_memory_batch.png", dpi=110)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def plot(results: dict[str, SimulationResult], folder: Path, report: dict) -> None:
+    plot_timeline(results, folder / "simulate_memory_batch.png",
+                  f"{report['model']} on {report['device']}, {report['requests']} requests", "simulated time (s)")
 
 
 def main(args) -> dict:
