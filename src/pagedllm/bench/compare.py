@@ -30,8 +30,9 @@ from pathlib import Path
 from pagedllm.bench.engine_replay import replay
 from pagedllm.bench.machine import machine_info
 from pagedllm.bench.mission import CLAIMED_SETUP, cost_per_m_tokens, format_table
+from pagedllm.bench.simulate_cmd import load_trace
 from pagedllm.bench.simulator import SimulationResult
-from pagedllm.bench.traces import make_trace, read_trace, summary
+from pagedllm.bench.traces import summary
 
 CONFIGS = {  # name: (kv_layout, enable_prefix_caching)
     "contiguous": ("contiguous", False),
@@ -39,12 +40,6 @@ CONFIGS = {  # name: (kv_layout, enable_prefix_caching)
     "paged + prefix caching": ("paged", True),
 }
 WARMUP_PROMPT = list(range(3, 67))  # ids below the traces' (>= 100): never a prefix-cache hit for them
-
-
-def load_trace(args):
-    if args.trace:
-        return read_trace(args.trace)
-    return make_trace(args.workload, args.num_requests, float(args.rate), args.seed)
 
 
 def run_config(args, trace, layout: str, caching: bool, desc: str) -> tuple[dict, SimulationResult]:
