@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import json
 import os
 import random
 import re
@@ -58,6 +59,11 @@ def request_body(client: int, i: int) -> dict:
     return {**body, "prompt": [rng.randrange(5, 49000) for _ in range(rng.randrange(8, 40))]}
 
 
+def _is_error(line: str) -> bool:
+    """An SSE event carrying an error object (not a completion whose text happens to be "error")."""
+    return line.startswith("data: ") and "error" in json.loads(line[len("data: "):])
+
+
 class Load:
     """Streaming completions from ``clients`` threads until ``stop()``, at most ``max_requests``."""
 
@@ -84,7 +90,7 @@ class Load:
                 try:
                     with client.stream("POST", "/v1/completions", json=request_body(k, i)) as r:
                         lines = [line for line in r.iter_lines() if line]
-                    if r.status_code != 200 or lines[-1] != "data: [DONE]" or any('"error"' in x for x in lines):
+                    if r.status_code != 200 or lines[-1] != "data: [DONE]" or any(_is_error(x) for x in lines[:-1]):
                         self.errors.append(f"{r.status_code}: {lines[-3:]}")
                     with self._lock:
                         self.completed += 1
@@ -296,3 +302,8 @@ def test_dashboard_in_a_browser_matches_metrics_during_a_load(live_server, tmp_p
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     if target:
         shutil.copyfile(shot, Path(target))
+
+
+def test_the_load_counts_error_events_not_completions_that_say_error():
+    assert not _is_error('data: {"object": "text_completion", "choices": [{"index": 0, "text": "error"}]}')
+    assert _is_error('data: {"error": {"message": "boom", "type": "server_error", "code": 500}}')

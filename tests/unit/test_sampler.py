@@ -172,3 +172,20 @@ def test_logit_bias_allowed_tokens_bad_words_and_min_tokens_equal_the_reference(
     ignoring = request(output=(5,), min_tokens=3, ignore_eos=True)       # ignore_eos: EOS is not a stop
     assert {int(i) for i in (~torch.isfinite(apply_logits_processors(logits[3:].clone(), [ignoring]))).nonzero()} \
         == set()
+
+
+def test_draws_follow_the_distribution_and_never_take_a_zero_probability_token():
+    from pagedllm.engine.sampler import draw
+
+    probs = torch.tensor([0.0, 0.5, 0.0, 0.3, 0.15, 0.05, 0.0])
+    n = 40_000
+    g = torch.Generator().manual_seed(3)
+    tokens = draw(probs.expand(n, -1), [g] * n)
+    counts = torch.bincount(torch.tensor(tokens), minlength=len(probs)).double()
+    assert counts[probs == 0].sum() == 0
+    expected = probs.double() * n
+    keep = probs > 0
+    chi2 = float((((counts - expected)[keep]) ** 2 / expected[keep]).sum())
+    assert chi2 < 16.3  # 3 degrees of freedom: p = 0.001
+    # unnormalised rows (after top-k/top-p the softmax is exact, but the draw must not rely on it)
+    assert draw(torch.tensor([[0.0, 2.0, 0.0]]), [torch.Generator().manual_seed(0)]) == [1]
