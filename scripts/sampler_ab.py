@@ -2,7 +2,8 @@
 ``exponential_`` (the former draw) against the same race with ``-log(uniform_)`` noise
 (``pagedllm.engine.sampler.draw``), alternating in one process, medians of 3.
 
-    .venv/bin/python scripts/sampler_ab.py [BATCH ...]      (default: 1 32)
+    .venv/bin/python scripts/sampler_ab.py [BATCH ...]          (default: 1 32)
+    .venv/bin/python scripts/sampler_ab.py --draw [BATCH ...]   the draw alone, on [BATCH, 49152] probabilities
 """
 
 from __future__ import annotations
@@ -40,7 +41,25 @@ def ms_per_step(engine, batch: int, draw, steps: int = 30) -> float:
     return (time.perf_counter() - t0) / n * 1e3
 
 
+def draw_ms(batches: list[int], repeats: int = 100) -> None:
+    """Milliseconds per draw over SmolLM2's vocabulary, the two noises alternating call by call."""
+    for batch in batches:
+        probs = torch.softmax(torch.randn(batch, 49152), -1)
+        gens = [torch.Generator().manual_seed(i) for i in range(batch)]
+        times = {"exponential_": [], "-log(uniform_)": []}
+        for _ in range(repeats):
+            for name, fn in (("exponential_", exponential_noise), ("-log(uniform_)", CURRENT)):
+                t0 = time.perf_counter()
+                fn(probs, gens)
+                times[name].append(time.perf_counter() - t0)
+        old, new = (1e3 * statistics.median(v) for v in times.values())
+        print(f"batch {batch}: ms per draw, noise from exponential_ {old:.2f}, from -log(uniform_) {new:.2f}")
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["--draw"]:
+        draw_ms([int(b) for b in sys.argv[2:]] or [1, 32])
+        return
     batches = [int(b) for b in sys.argv[1:]] or [1, 32]
     engine = LLM(dtype="bfloat16").engine
     ms_per_step(engine, 2, CURRENT, 4)  # warm-up
