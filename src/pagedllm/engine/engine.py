@@ -37,7 +37,8 @@ from pagedllm.errors import ConfigError, InvalidRequest, RequestTooLong
 from pagedllm.kvcache.factory import make_kv_manager
 from pagedllm.kvstore.host_tier import HostTier
 from pagedllm.kvstore.storage import KVCacheStorage, bytes_per_block, num_blocks_for
-from pagedllm.models.layer_ops import get_layer_ops
+from pagedllm.models import decoder_stack
+from pagedllm.models.layer_ops import CpuLayerOps, get_layer_ops
 from pagedllm.models.llama import LlamaForCausalLM
 from pagedllm.models.loader import LoadedWeights, load_weights, resolve_dtype, resolve_model_path
 from pagedllm.models.tokenizer import Tokenizer
@@ -109,6 +110,8 @@ class Engine:
         if cache.kv_layout != "paged" and cache.enable_prefix_caching:
             cache = dataclasses.replace(cache, enable_prefix_caching=False)
         layer_ops = get_layer_ops(device)  # may compile C++ on first use: not part of the load time
+        if isinstance(layer_ops, CpuLayerOps):
+            decoder_stack.EXTENSION.load()  # the same, for the C++ layer loop the model builds on its first step
         t0 = time.perf_counter()
         path = resolve_model_path(options.model)
         weights = load_weights(path)

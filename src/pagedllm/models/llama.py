@@ -20,6 +20,7 @@ from torch import nn
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.config import ModelConfig
 from pagedllm.kvstore.storage import KVCacheStorage
+from pagedllm.models.decoder_stack import build_decoder_stack
 from pagedllm.models.gguf_quant import BlockQuantized
 from pagedllm.models.layer_ops import TorchLayerOps
 from pagedllm.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
@@ -95,7 +96,14 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """The whole decoder: embeddings, layers, final norm, LM head."""
+    """The whole decoder: embeddings, layers, final norm, LM head.
+
+    ``layer_loop``: ``"auto"`` runs the layers in one C++ call where ``decoder_stack`` applies
+    (CPU, C++ layer ops and attention; bit-identical results), ``"python"`` always loops here."""
+
+    layer_loop = "auto"
+    _stack = None          # the C++ DecoderStack for _stack_backend (None: the Python loop runs)
+    _stack_backend = None  # the backend the stack was built for; False: not built since the weights changed
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, max_positions: int,
                  device: str | torch.device = "cpu", layer_ops=None) -> None:
@@ -114,11 +122,24 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv: KVCacheStorage, backend) -> torch.Tensor:
         """Hidden states [T, hidden] of the flat batch, after the final norm."""
+        stack = self.decoder_stack(backend)
+        if stack is not None:
+            return stack.forward(self.embed_tokens(input_ids), positions, self.rotary.cos, self.rotary.sin,
+                                 kv.k_caches, kv.v_caches, meta.slot_mapping, meta.query_start_loc, meta.seq_lens,
+                                 meta.block_tables)
         ops = self.layer_ops
         x, residual = self.embed_tokens(input_ids), None  # the forward owns residual: ops update it in place
         for layer, k_cache, v_cache in zip(self.layers, kv.k_caches, kv.v_caches, strict=True):
             x, residual = layer.forward(x, residual, positions, self.rotary, k_cache, v_cache, meta, backend, ops)
         return ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)[0]
+
+    def decoder_stack(self, backend):
+        """The C++ layer loop for ``backend`` (built on first use, after the weights are final), or None."""
+        if self.layer_loop != "auto":
+            return None
+        if self._stack_backend is not backend:
+            self._stack, self._stack_backend = build_decoder_stack(self, backend), backend
+        return self._stack
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -131,6 +152,7 @@ class LlamaForCausalLM(nn.Module):
         GEMMs compute in float32, except a 1-row LM head without another small-batch kernel, which
         keeps a native packed copy (``NativePackedMatmul``). Returns how many were packed. A tied
         head drops only its own reference: the embedding keeps the dense table for lookups."""
+        self._stack_backend = False  # the stack holds the kernels: rebuild it on the next forward
         head = self.lm_head
         if compute_dtype == torch.float32 and self.dtype != torch.float32 and head.small_batch is None:
             native = prepack_for_onednn(head.weight)  # before the float32 packing drops the weight
@@ -145,6 +167,7 @@ class LlamaForCausalLM(nn.Module):
         ``widened_dense``: the dense path will compute in float32 (``prepack_weights``), which moves
         the crossovers (``WIDENED_INT4_MAX_ROWS``; Q8_0 blocks are then not used at all)."""
         ops, attached = self.layer_ops, 0
+        self._stack_backend = False  # the stack holds the kernels: rebuild it on the next forward
 
         def attach(linear: Linear, names: list[str]) -> None:
             nonlocal attached
@@ -170,6 +193,7 @@ class LlamaForCausalLM(nn.Module):
     def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None:
         """Load HF-named weights (``model.layers.N.self_attn.q_proj.weight`` ...), fusing as we go."""
         cfg = self.config
+        self._stack_backend = False  # the stack holds the weights: rebuild it on the next forward
         w = {k.removeprefix("model."): v for k, v in weights.items()}
         own: dict[str, torch.Tensor] = {"embed_tokens.weight": w.pop("embed_tokens.weight"),
                                         "norm.weight": w.pop("norm.weight")}

@@ -22,9 +22,11 @@
 #include <cmath>
 #include <limits>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_vec.h"
+#include "kernel_abi.h"
 
 namespace {
 
@@ -631,4 +633,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("store_kv", &store_kv, "store K/V rows into their slots (CPU)");
   m.def("store_and_attend", &store_and_attend, "store K/V rows, then paged attention (CPU)");
   m.def("rope_store_attend", &rope_store_attend, "RoPE on q/k, store K/V, paged attention (CPU)");
+  // the same function for the decoder stack's C++ layer loop (csrc/kernel_abi.h)
+  static_assert(std::is_same_v<decltype(&rope_store_attend), pagedllm_cpu::RopeStoreAttendFn>);
+  m.attr("rope_store_attend_fn") = pybind11::capsule(reinterpret_cast<void*>(&rope_store_attend),
+                                                     pagedllm_cpu::kRopeStoreAttendCapsule);
 }

@@ -1,0 +1,313 @@
+// Per-token layer ops for CPU that torch would run as several kernels (and several Python calls)
+// each: RMSNorm (optionally fused with the residual add), SiLU-and-multiply, and a matrix product
+// over GGUF Q8_0 weights (int8 codes, one float scale per 32 weights) for small batches.
+// Bound to Python by models/csrc/layer_ops_cpu.cpp and called layer by layer by the decoder stack
+// (models/csrc/decoder_stack_cpu.cpp); each extension includes this header in its one source.
+//
+// Numerics follow the unfused torch path of models/layers.py: reductions and activations in
+// float32, results rounded to the storage dtype exactly where torch rounds them (no FMA
+// contraction), so bfloat16/float16 outputs round identically and float32 ones differ from torch
+// only by the order of the RMS sum.
+#pragma once
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+
+#include "cpu_vec.h"
+
+namespace {
+
+using namespace pagedllm_cpu;
+
+template <typename T>
+inline float f32(T x) { return static_cast<float>(x); }
+
+// exp(x) by range reduction x = n ln2 + r and a degree-6 polynomial (~1 ulp). Below -87 it
+// returns exp(-87) (1 + that is 1, as for the true value); above float's range it is +inf, as
+// torch's exp is, so silu's far negative tail is -0 exactly like F.silu.
+constexpr float kExpOverflow = 88.72283935546875f;
+
+inline float exp_clamped(float x) {
+  return x > kExpOverflow ? std::numeric_limits<float>::infinity() : exp_poly(x);
+}
+
+// out = weight * (x * rsqrt(mean(x^2) + eps)).to(T), with x in float32: HF's LlamaRMSNorm.
+template <typename T>
+__attribute__((optimize("fp-contract=off"))) void norm_row(const T* x, const T* w, T* out, int64_t H, float eps) {
+  float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t i = 0; i < H; ++i) {
+    const float v = f32(x[i]);
+    ss += v * v;
+  }
+  const float inv = 1.0f / std::sqrt(ss / static_cast<float>(H) + eps);
+  for (int64_t i = 0; i < H; ++i) out[i] = static_cast<T>(f32(w[i]) * f32(static_cast<T>(f32(x[i]) * inv)));
+}
+
+// Float conversions that vectorise: T -> float, and float rounded to T's precision (nearest even,
+// as c10's casts round) kept as a float, for the storage types.
+template <typename T>
+struct Cvt {  // float16 (and float32): plain casts
+  static float load(T x) { return static_cast<float>(x); }
+  static float round(float x) { return static_cast<float>(static_cast<T>(x)); }
+  static T store(float x) { return static_cast<T>(x); }
+};
+
+template <>
+struct Cvt<c10::BFloat16> {
+  static float load(c10::BFloat16 x) {
+    uint16_t h;
+    std::memcpy(&h, &x, 2);
+    const uint32_t b = static_cast<uint32_t>(h) << 16;
+    float f;
+    std::memcpy(&f, &b, 4);
+    return f;
+  }
+  static uint32_t round_bits(float x) {
+    uint32_t b;
+    std::memcpy(&b, &x, 4);
+    const bool nan = (b & 0x7fffffffu) > 0x7f800000u;
+    return nan ? 0x7fc00000u : (b + 0x7fffu + ((b >> 16) & 1u)) & 0xffff0000u;
+  }
+  static float round(float x) {
+    const uint32_t b = round_bits(x);
+    float f;
+    std::memcpy(&f, &b, 4);
+    return f;
+  }
+  static c10::BFloat16 store(float x) {
+    const uint16_t h = static_cast<uint16_t>(round_bits(x) >> 16);
+    c10::BFloat16 out;
+    std::memcpy(&out, &h, 2);
+    return out;
+  }
+};
+
+template <typename T>
+void silu_mul_scalar(const T* gate, const T* up, T* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float x = Cvt<T>::load(gate[i]);
+    const float s = Cvt<T>::round(x / (1.0f + exp_clamped(-x)));
+    out[i] = Cvt<T>::store(s * Cvt<T>::load(up[i]));
+  }
+}
+
+#ifdef __AVX512F__
+// exp_clamped on 16 lanes (same reduction and polynomial).
+inline __m512 exp16(__m512 x) {
+  const __mmask16 overflow = _mm512_cmp_ps_mask(x, _mm512_set1_ps(kExpOverflow), _CMP_GT_OQ);
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                                      _mm512_set1_ps(0.5f)),
+                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_add_ps(_mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f))),
+                                 _mm512_mul_ps(n, _mm512_set1_ps(2.12194440e-4f)));
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mask_blend_ps(overflow, _mm512_mul_ps(p, _mm512_castsi512_ps(e)),
+                              _mm512_set1_ps(std::numeric_limits<float>::infinity()));
+}
+
+// 16 values of T <-> float32 lanes; round16 keeps a float rounded to T's precision (nearest even).
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline __m512i bf16_bits(__m512 x) {  // round to nearest even in the top 16 bits; NaN -> quiet NaN
+  const __m512i b = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7fff)), lsb);
+  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+  return _mm512_mask_blend_epi32(nan, _mm512_srli_epi32(rounded, 16), _mm512_set1_epi32(0x7fc0));
+}
+inline __m512 round16(__m512 x, const float*) { return x; }
+inline __m512 round16(__m512 x, const c10::BFloat16*) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(x), 16));
+}
+inline __m512 round16(__m512 x, const c10::Half*) {
+  return _mm512_cvtph_ps(_mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+inline void store16(float* p, __m512 x) { _mm512_storeu_ps(p, x); }
+inline void store16(c10::BFloat16* p, __m512 x) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bf16_bits(x)));
+}
+inline void store16(c10::Half* p, __m512 x) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+#endif
+
+template <typename T>
+void silu_mul_row(const T* gate, const T* up, T* out, int64_t I) {
+  int64_t i = 0;
+#ifdef __AVX512F__
+  if constexpr (!std::is_same_v<T, double>) {
+    for (; i + 16 <= I; i += 16) {
+      const __m512 x = load16(gate + i);
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), x));
+      const __m512 silu = _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+      store16(out + i, _mm512_mul_ps(round16(silu, gate), load16(up + i)));
+    }
+  }
+#endif
+  silu_mul_scalar(gate + i, up + i, out + i, I - i);
+}
+
+inline int64_t rows_per_task(int64_t width) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(width, 1)); }
+
+inline void check_rows(const torch::Tensor& x, const torch::Tensor& weight) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "expected contiguous [tokens, hidden] rows");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.dtype() == x.dtype(),
+              "norm weight must be [hidden] in the activation dtype");
+}
+
+}  // namespace
+
+// RMSNorm of each row of x [T, H].
+inline torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+  x = x.contiguous();
+  check_rows(x, weight);
+  auto out = torch::empty_like(x);
+  const int64_t H = x.size(1);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+    const scalar_t* src = x.data_ptr<scalar_t>();
+    const scalar_t* w = weight.data_ptr<scalar_t>();
+    scalar_t* dst = out.data_ptr<scalar_t>();
+    at::parallel_for(0, x.size(0), rows_per_task(H), [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) norm_row(src + t * H, w, dst + t * H, H, static_cast<float>(eps));
+    });
+  });
+  return out;
+}
+
+// residual += x (rounded to the dtype, as torch's add), then RMSNorm of the new residual.
+// residual is updated in place; returns the normalised rows.
+inline torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps) {
+  x = x.contiguous();
+  check_rows(residual, weight);
+  TORCH_CHECK(x.sizes() == residual.sizes() && x.dtype() == residual.dtype(), "x and residual differ");
+  auto out = torch::empty_like(x);
+  const int64_t H = x.size(1);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm", [&] {
+    const scalar_t* src = x.data_ptr<scalar_t>();
+    const scalar_t* w = weight.data_ptr<scalar_t>();
+    scalar_t* res = residual.data_ptr<scalar_t>();
+    scalar_t* dst = out.data_ptr<scalar_t>();
+    at::parallel_for(0, x.size(0), rows_per_task(H), [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        scalar_t* r = res + t * H;
+        const scalar_t* a = src + t * H;
+        for (int64_t i = 0; i < H; ++i) r[i] = static_cast<scalar_t>(f32(a[i]) + f32(r[i]));
+        norm_row(r, w, dst + t * H, H, static_cast<float>(eps));
+      }
+    });
+  });
+  return out;
+}
+
+// gate_up [T, 2I] (gate then up) -> silu(gate) * up [T, I]; silu(g) = g / (1 + exp(-g)) in float32,
+// rounded to the dtype before the product, as F.silu(gate) * up computes it.
+inline torch::Tensor silu_mul(torch::Tensor gate_up) {
+  gate_up = gate_up.contiguous();
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "expected [tokens, 2 * intermediate]");
+  const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2;
+  auto out = torch::empty({T, I}, gate_up.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "silu_mul", [&] {
+    const scalar_t* src = gate_up.data_ptr<scalar_t>();
+    scalar_t* dst = out.data_ptr<scalar_t>();
+    at::parallel_for(0, T, rows_per_task(2 * I), [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        silu_mul_row(src + t * 2 * I, src + t * 2 * I + I, dst + t * I, I);
+      }
+    });
+  });
+  return out;
+}
+
+namespace {
+
+// 16 signed bytes -> 16 floats (GCC scalarises __builtin_convertvector from int8, so use AVX-512 directly)
+inline v16 int8_to_float(const int8_t* src) {
+#ifdef __AVX512F__
+  const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))));
+  v16 out;
+  std::memcpy(&out, &f, 64);
+  return out;
+#else
+  v16 out;
+  for (int i = 0; i < 16; ++i) out[i] = static_cast<float>(src[i]);
+  return out;
+#endif
+}
+
+// R rows of x (float32, row stride K) times rows [begin, end) of a Q8_0 weight; R is a compile-time
+// constant so the accumulators stay in registers.
+template <int R>
+void q8_0_rows(const float* x, const int8_t* codes, const float* scales, float* out, int64_t out_stride,
+               int64_t K, int64_t begin, int64_t end) {
+  const int64_t G = K / 32;
+  for (int64_t n = begin; n < end; ++n) {
+    v16 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = v16{};
+    const int8_t* c = codes + n * K;
+    const float* d = scales + n * G;
+    for (int64_t g = 0; g < G; ++g) {
+      const v16 w0 = int8_to_float(c + g * 32) * d[g];
+      const v16 w1 = int8_to_float(c + g * 32 + 16) * d[g];
+      for (int r = 0; r < R; ++r) {
+        v16 a, b;
+        std::memcpy(&a, x + r * K + g * 32, 64);
+        std::memcpy(&b, x + r * K + g * 32 + 16, 64);
+        acc[r] += w0 * a + w1 * b;
+      }
+    }
+    for (int r = 0; r < R; ++r) out[r * out_stride + n] = hsum(acc[r]);
+  }
+}
+
+using Q8Rows = void (*)(const float*, const int8_t*, const float*, float*, int64_t, int64_t, int64_t, int64_t);
+constexpr Q8Rows kQ8Rows[] = {q8_0_rows<1>, q8_0_rows<2>, q8_0_rows<3>, q8_0_rows<4>};
+
+}  // namespace
+
+// x [M, K] @ W^T for W given as GGUF Q8_0: codes int8 [N, K], scales float32 [N, K / 32]
+// (w = scale * code). Each weight block is converted once per group of up to 4 rows of x;
+// float32 accumulation. Returns float32 [M, N]. Meant for small M (decode steps).
+inline torch::Tensor q8_0_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales) {
+  TORCH_CHECK(x.dim() == 2 && codes.dim() == 2 && codes.scalar_type() == at::kChar, "expected x [M, K], codes int8");
+  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
+  TORCH_CHECK(codes.size(1) == K && K % 32 == 0, "codes must be [N, K] with K a multiple of 32");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.size(0) == N && scales.size(1) == K / 32,
+              "scales must be float32 [N, K / 32]");
+  codes = codes.contiguous();
+  scales = scales.contiguous();
+  auto xf = x.to(at::kFloat).contiguous();
+  auto out = torch::empty({M, N}, x.options().dtype(at::kFloat));
+  const float* xs = xf.data_ptr<float>();
+  float* os = out.data_ptr<float>();
+  at::parallel_for(0, N, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t m0 = 0; m0 < M; m0 += 4) {
+      const int64_t rows = std::min<int64_t>(4, M - m0);
+      kQ8Rows[rows - 1](xs + m0 * K, codes.data_ptr<int8_t>(), scales.data_ptr<float>(), os + m0 * N, N, K, begin,
+                        end);
+    }
+  });
+  return out;
+}

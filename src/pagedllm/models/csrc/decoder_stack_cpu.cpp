@@ -1,0 +1,185 @@
+// The decoder's layer loop in C++: one call per step runs every layer (norm, QKV projection,
+// RoPE + K/V store + paged attention, output projection, norm, gate/up projection, SiLU-and-
+// multiply, down projection) and the final norm, with the same kernels, in the same order, on
+// the same tensors as the Python loop of models/llama.py. Results are bit-identical to it; what
+// goes away is ~9 Python-to-C++ crossings per layer (about 270 a step for SmolLM2), which at
+// batch 1 cost more than the norms and activations themselves.
+//
+// Each projection keeps both of its Python counterparts' kernels (models/quantized_linear.py):
+// the small-batch one (torch's 4-bit weight-only matmul, or our Q8_0 product) for steps of at
+// most max_rows rows, else the dense one (oneDNN's prepacked linear, widened to float32 or not,
+// or at::linear on a plain weight). The attention comes from the attention extension as a
+// function pointer (csrc/kernel_abi.h). Each part of a layer is wrapped in RECORD_FUNCTION, so
+// torch's profiler sees it under the names `pagedllm bench step` counts.
+#include <torch/extension.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/record_function.h>
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "kernel_abi.h"
+#include "layer_ops.h"
+
+namespace {
+
+using LinearPointwise = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                                   c10::string_view, c10::List<std::optional<at::Scalar>>,
+                                   std::optional<c10::string_view>);
+
+// oneDNN's linear over a prepacked weight, as torch.ops.mkldnn._linear_pointwise is called from Python.
+at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+                             .typed<LinearPointwise>();
+  return op.call(x, packed, bias, "none", c10::List<std::optional<at::Scalar>>(), c10::string_view(""));
+}
+
+}  // namespace
+
+// One linear layer, as models/quantized_linear.Linear runs it.
+struct Projection {
+  enum Dense : int64_t { kPlain = 0, kPacked = 1, kPackedWidened = 2 };
+  enum Small : int64_t { kNone = 0, kInt4 = 1, kQ8_0 = 2 };
+
+  int64_t dense;
+  at::Tensor weight;  // [N, K] (kPlain) or oneDNN's packed layout
+  std::optional<at::Tensor> bias;
+  int64_t small;
+  int64_t max_rows;
+  at::Tensor small_a, small_b;  // int4: packed codes, scales and zeros; Q8_0: codes, scales
+  std::optional<at::Tensor> small_bias;
+
+  Projection(int64_t dense, at::Tensor weight, std::optional<at::Tensor> bias, int64_t small, int64_t max_rows,
+             std::optional<at::Tensor> small_a, std::optional<at::Tensor> small_b,
+             std::optional<at::Tensor> small_bias)
+      : dense(dense), weight(std::move(weight)), bias(std::move(bias)), small(small), max_rows(max_rows),
+        small_bias(std::move(small_bias)) {
+    TORCH_CHECK(dense >= kPlain && dense <= kPackedWidened, "unknown dense kernel ", dense);
+    TORCH_CHECK(small >= kNone && small <= kQ8_0, "unknown small-batch kernel ", small);
+    if (small != kNone) {
+      TORCH_CHECK(small_a.has_value() && small_b.has_value(), "a small-batch kernel needs its two tensors");
+      this->small_a = *small_a;
+      this->small_b = *small_b;
+    }
+  }
+
+  at::Tensor operator()(const at::Tensor& x) const {
+    if (small != kNone && x.size(0) <= max_rows) {
+      at::Tensor y;
+      if (small == kInt4) {
+        y = at::_weight_int4pack_mm_for_cpu(x.contiguous(), small_a, 32, small_b);
+      } else {
+        RECORD_FUNCTION("pagedllm::q8_0_linear", std::vector<c10::IValue>());
+        y = q8_0_linear(x, small_a, small_b).to(x.scalar_type());
+      }
+      return small_bias.has_value() ? y + *small_bias : y;
+    }
+    switch (dense) {
+      case kPacked:
+        return onednn_linear(x, weight, bias);
+      case kPackedWidened:
+        return onednn_linear(x.to(at::kFloat), weight, bias).to(x.scalar_type());
+      default:
+        return at::linear(x, weight, bias);
+    }
+  }
+};
+
+struct Layer {
+  at::Tensor input_norm;
+  double input_eps;
+  at::Tensor post_attention_norm;
+  double post_attention_eps;
+  Projection qkv, o, gate_up, down;
+};
+
+class DecoderStack {
+ public:
+  DecoderStack(std::vector<Layer> layers, at::Tensor final_norm, double final_eps, int64_t num_heads,
+               int64_t q_size, double scale, pybind11::capsule attend)
+      : layers_(std::move(layers)), final_norm_(std::move(final_norm)), final_eps_(final_eps),
+        num_heads_(num_heads), q_size_(q_size), scale_(scale) {
+    TORCH_CHECK(std::string(attend.name()) == pagedllm_cpu::kRopeStoreAttendCapsule,
+                "the attention extension hands '", attend.name(), "', this stack needs '",
+                pagedllm_cpu::kRopeStoreAttendCapsule, "' (rebuild both)");
+    attend_ = reinterpret_cast<pagedllm_cpu::RopeStoreAttendFn>(attend.get_pointer());
+  }
+
+  // x: the embedded tokens [T, hidden]; returns the hidden states after the final norm.
+  at::Tensor forward(at::Tensor x, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
+                     const std::vector<at::Tensor>& k_caches, const std::vector<at::Tensor>& v_caches,
+                     const at::Tensor& slot_mapping, const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+                     const at::Tensor& block_tables) const {
+    TORCH_CHECK(k_caches.size() == layers_.size() && v_caches.size() == layers_.size(),
+                "one K and one V cache per layer expected");
+    const int64_t T = x.size(0);
+    at::Tensor residual;
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const Layer& layer = layers_[i];
+      at::Tensor h;
+      {
+        RECORD_FUNCTION("pagedllm::add_rms_norm", std::vector<c10::IValue>());
+        if (i == 0) {
+          h = rms_norm(x, layer.input_norm, layer.input_eps);
+          residual = x;  // owned by this call: the norms below update it in place
+        } else {
+          h = add_rms_norm_(x, residual, layer.input_norm, layer.input_eps);
+        }
+      }
+      const at::Tensor qkv = layer.qkv(h);
+      at::Tensor attention;
+      {
+        RECORD_FUNCTION("pagedllm::rope_store_attend", std::vector<c10::IValue>());
+        attention = attend_(qkv, cos, sin, positions, k_caches[i], v_caches[i], slot_mapping, query_start_loc,
+                            seq_lens, block_tables, scale_, num_heads_);
+      }
+      h = layer.o(attention.reshape({T, q_size_}));
+      {
+        RECORD_FUNCTION("pagedllm::add_rms_norm", std::vector<c10::IValue>());
+        h = add_rms_norm_(h, residual, layer.post_attention_norm, layer.post_attention_eps);
+      }
+      const at::Tensor gate_up = layer.gate_up(h);
+      {
+        RECORD_FUNCTION("pagedllm::silu_mul", std::vector<c10::IValue>());
+        h = silu_mul(gate_up);
+      }
+      x = layer.down(h);
+    }
+    RECORD_FUNCTION("pagedllm::add_rms_norm", std::vector<c10::IValue>());
+    return add_rms_norm_(x, residual, final_norm_, final_eps_);
+  }
+
+  size_t num_layers() const { return layers_.size(); }
+
+ private:
+  std::vector<Layer> layers_;
+  at::Tensor final_norm_;
+  double final_eps_;
+  int64_t num_heads_, q_size_;
+  double scale_;
+  pagedllm_cpu::RopeStoreAttendFn attend_ = nullptr;
+};
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  namespace py = pybind11;
+  py::class_<Projection>(m, "Projection", "one linear layer: a dense kernel and an optional small-batch one")
+      .def(py::init<int64_t, at::Tensor, std::optional<at::Tensor>, int64_t, int64_t, std::optional<at::Tensor>,
+                    std::optional<at::Tensor>, std::optional<at::Tensor>>(),
+           py::arg("dense"), py::arg("weight"), py::arg("bias"), py::arg("small"), py::arg("max_rows"),
+           py::arg("small_a"), py::arg("small_b"), py::arg("small_bias"))
+      .def("__call__", &Projection::operator(), py::arg("x"));
+  py::class_<Layer>(m, "Layer", "one decoder layer's norms and projections")
+      .def(py::init<at::Tensor, double, at::Tensor, double, Projection, Projection, Projection, Projection>(),
+           py::arg("input_norm"), py::arg("input_eps"), py::arg("post_attention_norm"),
+           py::arg("post_attention_eps"), py::arg("qkv"), py::arg("o"), py::arg("gate_up"), py::arg("down"));
+  py::class_<DecoderStack>(m, "DecoderStack", "every decoder layer and the final norm, in one call")
+      .def(py::init<std::vector<Layer>, at::Tensor, double, int64_t, int64_t, double, py::capsule>(),
+           py::arg("layers"), py::arg("final_norm"), py::arg("final_eps"), py::arg("num_heads"), py::arg("q_size"),
+           py::arg("scale"), py::arg("attend"))
+      .def("forward", &DecoderStack::forward, py::arg("x"), py::arg("positions"), py::arg("cos"), py::arg("sin"),
+           py::arg("k_caches"), py::arg("v_caches"), py::arg("slot_mapping"), py::arg("query_start_loc"),
+           py::arg("seq_lens"), py::arg("block_tables"))
+      .def_property_readonly("num_layers", &DecoderStack::num_layers);
+}

@@ -1,0 +1,75 @@
+"""The decoder's layer loop in one C++ call per step (``models/csrc/decoder_stack_cpu.cpp``).
+
+The Python loop of ``LlamaForCausalLM.forward`` crosses into C++ about nine times per layer
+(norms, four projections, the fused attention, SiLU-and-multiply): at batch 1 those crossings
+cost more than the norms and activations they call. ``DecoderStack`` holds the same weights and
+kernels and runs the same calls in the same order from C++, so its hidden states are bit-identical
+to the Python loop's (tested); Python then makes one call per step.
+
+It applies where every part of a layer already runs in our C++ or in torch ops callable from C++:
+the C++ layer ops (``CpuLayerOps``), the C++ attention backend (``CpuBackend``, RoPE fused), and
+projections whose kernels are the dense ones of ``Linear`` or a 4-bit / Q8_0 small-batch kernel.
+``build_decoder_stack`` returns None anywhere else (another backend, a GPU, torch layer ops, a
+kernel it does not know), and the model keeps its Python loop.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pagedllm.cpu_extension import CppExtension
+from pagedllm.models.layer_ops import CpuLayerOps
+from pagedllm.models.quantized_linear import Int4Matmul, Int8BlockMatmul, Linear
+
+EXTENSION = CppExtension("pagedllm_decoder_stack", Path(__file__).parent / "csrc" / "decoder_stack_cpu.cpp",
+                         "the C++ decoder stack", "running the layer loop in Python")
+
+# the C++ side's codes (Projection::Dense, Projection::Small)
+DENSE_PLAIN, DENSE_PACKED, DENSE_PACKED_WIDENED = 0, 1, 2
+SMALL_NONE, SMALL_INT4, SMALL_Q8_0 = 0, 1, 2
+
+
+def describe_projection(module, linear: Linear):
+    """``linear``'s kernels as a C++ ``Projection``, or None if one of them is not one the stack runs."""
+    small, a, b = SMALL_NONE, None, None
+    kernel = linear.small_batch
+    if isinstance(kernel, Int4Matmul):
+        small, a, b = SMALL_INT4, kernel.packed, kernel.scales_and_zeros
+    elif isinstance(kernel, Int8BlockMatmul):
+        small, a, b = SMALL_Q8_0, kernel.codes, kernel.scale
+    elif kernel is not None:
+        return None
+    if linear.packed is not None:
+        dense = DENSE_PACKED if linear.widen is None else DENSE_PACKED_WIDENED
+        weight, bias = linear.packed, linear.packed_bias
+    elif linear.weight is not None:
+        dense, weight = DENSE_PLAIN, linear.weight.detach()
+        bias = None if linear.bias is None else linear.bias.detach()
+    else:
+        return None
+    return module.Projection(dense, weight, bias, small, linear.max_rows, a, b, linear.small_batch_bias)
+
+
+def build_decoder_stack(model, backend):
+    """A C++ ``DecoderStack`` over ``model``'s layers (as loaded, quantized and prepacked now) for
+    ``backend``, or None where the Python loop has to run (see the module docstring)."""
+    if not isinstance(model.layer_ops, CpuLayerOps) or not getattr(backend, "fuses_rope", False):
+        return None
+    attend = getattr(getattr(backend, "ops", None), "rope_store_attend_fn", None)
+    if attend is None or model.rotary.cos.device.type != "cpu":
+        return None
+    module = EXTENSION.load()
+    if module is None:
+        return None
+    layers = []
+    for layer in model.layers:
+        attention, mlp = layer.self_attn, layer.mlp
+        parts = [describe_projection(module, p) for p in
+                 (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+        if any(p is None for p in parts):
+            return None
+        ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
+        layers.append(module.Layer(ln1.weight.detach(), ln1.eps, ln2.weight.detach(), ln2.eps, *parts))
+    first = model.layers[0].self_attn
+    return module.DecoderStack(layers, model.norm.weight.detach(), model.norm.eps, first.num_heads, first.q_size,
+                               backend.scale, attend)

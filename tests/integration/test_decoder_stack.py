@@ -1,0 +1,118 @@
+"""The C++ decoder stack (``models/decoder_stack.py``) computes exactly what the Python layer loop does.
+
+Each case generates the same prompts twice on one engine, once per ``layer_loop``, with prefill
+and decode steps of several rows mixed (prefix caching off, so the second run computes the same
+shapes as the first), and compares the tokens and every logprob bit for bit
+(equal logits need equal hidden states). A spy on the attention backend shows which loop ran:
+the stack calls the attention from C++, never through the backend's Python method.
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.models import decoder_stack
+from pagedllm.models.gguf_quant import decode_blocks
+from pagedllm.models.quantized_linear import Int4Matmul, Int8BlockMatmul, NativePackedMatmul
+from tests.conftest import make_tiny_checkpoint
+
+PARAMS = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=3)
+
+
+def run(llm: LLM, prompts: list[list[int]], loop: str):
+    """(tokens, logprobs) per prompt, and how many attention calls went through Python."""
+    model, backend = llm.engine.runner.model, llm.engine.runner.backend
+    model.layer_loop = loop
+    calls = []
+    fused = backend.rope_store_attend
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return fused(*args, **kwargs)
+
+    backend.rope_store_attend = spy
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS, use_tqdm=False)
+    finally:
+        del backend.rope_store_attend
+        model.layer_loop = "auto"
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], len(calls)
+
+
+def assert_stack_equals_python_loop(llm: LLM, prompts: list[list[int]]) -> None:
+    assert llm.engine.runner.model.decoder_stack(llm.engine.runner.backend) is not None
+    python, python_calls = run(llm, prompts, "python")
+    cpp, cpp_calls = run(llm, prompts, "auto")
+    assert python_calls > 0 and cpp_calls == 0
+    for (tokens, logprobs), (cpp_tokens, cpp_logprobs) in zip(python, cpp, strict=True):
+        assert cpp_tokens == tokens
+        assert cpp_logprobs == logprobs  # every float, bit for bit
+    stats = llm.kv_cache_stats()
+    assert stats["num_free_blocks"] == stats["num_blocks"]
+
+
+def prompts_for(vocab: int, lengths=(1, 9, 30, 70), seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lengths]
+
+
+def gguf_blocks(folder: str, kind: str) -> dict:
+    """The checkpoint's projection weights as GGUF blocks of ``kind``, HF-named (as the loader gives them)."""
+    blocks = {}
+    for name, w in load_file(f"{folder}/model.safetensors").items():
+        if name.endswith("_proj.weight"):
+            n, k = w.shape
+            data = gguf.quants.quantize(w.float().numpy().astype(np.float32), gguf.GGMLQuantizationType[kind])
+            blocks[name] = decode_blocks(kind, data, n, k)
+    return blocks
+
+
+@pytest.mark.parametrize(("arch", "dtype", "kind"), [
+    ("llama", "float32", None),        # plain weights: at::linear, as F.linear
+    ("qwen2", "bfloat16", None),       # prepacked oneDNN weights (widened where the CPU lacks bf16), q/k/v bias
+    ("qwen2", "float32", "Q4_1"),      # torch's 4-bit kernel for small steps, with the bias added after it
+    ("llama", "bfloat16", "Q4_0"),
+    ("llama", "bfloat16", "Q8_0"),     # our Q8_0 kernel (attached even where its crossover is 0 rows)
+])
+def test_tiny_checkpoints_equal_the_python_loop(tmp_path, arch, dtype, kind):
+    folder = make_tiny_checkpoint(tmp_path / arch, arch)
+    llm = LLM(model=folder, dtype=dtype, block_size=8, num_kv_blocks=128, max_num_batched_tokens=64,
+              attention_backend="cpu", enable_prefix_caching=False)
+    prompts = prompts_for(512)
+    if kind is not None:
+        llm.generate([{"prompt_token_ids": [5]}], PARAMS, use_tqdm=False)  # builds the stack before the change
+        model = llm.engine.runner.model
+        assert model.use_gguf_quantized(gguf_blocks(folder, kind), max_rows=8) == 4 * model.config.num_layers
+        # the stack must be rebuilt with the new kernels: a stale one would decode with the dense
+        # weights, whose logprobs differ from the quantized ones the Python loop uses
+        kernel = model.layers[0].mlp.down_proj.small_batch
+        assert isinstance(kernel, Int8BlockMatmul if kind == "Q8_0" else Int4Matmul)
+    assert_stack_equals_python_loop(llm, prompts)
+
+
+def test_default_model_in_bf16_with_its_gguf_blocks_equals_the_python_loop():
+    """The engine's own configuration: 4-bit blocks for decode steps, prepacked dense GEMMs for prefill."""
+    llm = LLM(dtype="bfloat16", kv_cache_memory="64MiB", enable_prefix_caching=False)
+    assert llm.engine.config.quantization == "gguf"
+    assert isinstance(llm.engine.runner.model.layers[0].self_attn.qkv_proj.small_batch, Int4Matmul)
+    assert_stack_equals_python_loop(llm, prompts_for(llm.engine.config.model.vocab_size, (3, 20, 40)))
+
+
+def test_the_python_loop_runs_where_the_stack_does_not_apply(tmp_path):
+    folder = make_tiny_checkpoint(tmp_path / "llama", "llama")
+    llm = LLM(model=folder, dtype="float32", block_size=8, num_kv_blocks=64, attention_backend="reference")
+    model = llm.engine.runner.model
+    assert model.decoder_stack(llm.engine.runner.backend) is None  # the reference backend is torch ops
+    assert len(llm.generate([{"prompt_token_ids": [4, 5, 6]}], PARAMS, use_tqdm=False)[0].outputs[0].token_ids) == 10
+    # a small-batch kernel the stack does not know keeps the whole model on the Python loop
+    module = decoder_stack.EXTENSION.load()
+    lin = model.layers[0].mlp.down_proj
+    lin.use_quantized(NativePackedMatmul(torch.empty(0)), 1)
+    assert decoder_stack.describe_projection(module, lin) is None
+    model.layer_loop = "python"
+    assert model.decoder_stack(llm.engine.runner.backend) is None
