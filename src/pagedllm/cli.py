@@ -401,6 +401,8 @@ def make_parser() -> argparse.ArgumentParser:
     sp.add_argument("--batch", type=int, default=32)
     sp.add_argument("--context", type=int, default=128)
     sp.add_argument("--steps", type=int, default=20)
+    sp.add_argument("--layer-loop", default="auto", choices=["auto", "python"],
+                    help="auto: the C++ decoder stack where it applies; python: the Python layer loop (for A/B)")
     pr = kv_parser("preemption", "recompute vs swap preemption on a pool too small for the load")
     pr.add_argument("--num-requests", type=int, default=16)
     pr.add_argument("--prompt-len", default="64:256")

@@ -140,6 +140,9 @@ def test_bench_step_splits_the_unprofiled_step_into_parts(tmp_path):
     # glue is the unprofiled step less the measured ops, so the parts add up to that step, not more
     assert sum(parts.values()) <= report["step_ms"] + 0.05 or parts["Python and glue"] == 0
     assert abs(sum(report["shares"].values()) - 1) < 0.01 or parts["Python and glue"] == 0
+    # the model's forward and LM head, timed in the plain steps, leave the rest of the step to the engine
+    assert report["layer_loop"] == "C++ decoder stack"
+    assert 0 < report["outside_model_ms"] < report["step_ms"]
 
 
 def test_trace_writes_a_seeded_jsonl_trace_and_rejects_a_bad_rate(tmp_path):

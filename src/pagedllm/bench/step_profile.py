@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import time
+from contextlib import contextmanager
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -25,6 +26,18 @@ ROUNDS = 4  # alternations of plain and profiled steps
 STACK_ATTENTION = "pagedllm::rope_store_attend"  # the C++ decoder stack's RECORD_FUNCTION names: pagedllm::*
 
 
+@contextmanager
+def timing(timers):
+    """``time_calls`` on each (object, method, bucket) for the block, the methods restored after."""
+    for obj, name, bucket in timers:
+        time_calls(obj, name, bucket)
+    try:
+        yield
+    finally:
+        for obj, name, _ in timers:
+            delattr(obj, name)  # the instance's wrapper: the class's method shows through again
+
+
 def main(args) -> dict:
     from pagedllm import LLM, SamplingParams
 
@@ -32,6 +45,7 @@ def main(args) -> dict:
               quantization=args.quantization,
               block_size=args.block_size, kv_cache_memory=args.kv_cache_memory, max_num_seqs=max(64, args.batch))
     engine = llm.engine
+    engine.runner.model.layer_loop = args.layer_loop
     gen = torch.Generator().manual_seed(0)
     vocab = engine.config.model.vocab_size
     for i in range(args.batch):
@@ -41,14 +55,18 @@ def main(args) -> dict:
         engine.step()
     for _ in range(3):
         engine.step()
-    attention, cpp_matmul, cpp_other = [0.0], [0.0], [0.0]
-    backend = engine.runner.backend
-    time_calls(backend, "rope_store_attend" if backend.fuses_rope else "store_and_attend", attention)
-    layer_ops = engine.runner.model.layer_ops
-    if hasattr(layer_ops, "q8_0_linear"):  # C++ ops: invisible to the torch profiler, so timed here
-        time_calls(layer_ops, "q8_0_linear", cpp_matmul)
-        for name in ("rms_norm", "add_rms_norm", "silu_mul"):
-            time_calls(layer_ops, name, cpp_other)
+    attention, cpp_matmul, cpp_other, model_s = [0.0], [0.0], [0.0], [0.0]
+    backend, model = engine.runner.backend, engine.runner.model
+    layer_ops = model.layer_ops
+    # C++ ops called from Python are invisible to the torch profiler, so they are timed by wrappers,
+    # installed for the profiled blocks only (their own cost would otherwise land in the plain steps)
+    op_timers = [(backend, "rope_store_attend" if backend.fuses_rope else "store_and_attend", attention)]
+    if hasattr(layer_ops, "q8_0_linear"):
+        op_timers += [(layer_ops, "q8_0_linear", cpp_matmul)]
+        op_timers += [(layer_ops, name, cpp_other) for name in ("rms_norm", "add_rms_norm", "silu_mul")]
+    # the plain blocks time the model's forward and LM head: what the step spends outside them
+    # (scheduler, runner, sampler, outputs) needs no profiler
+    model_timers = [(model, "forward", model_s), (model, "compute_logits", model_s)]
     # Profiled and plain blocks of steps alternate (ROUNDS of each), so that the machine's drift
     # (+-30% within minutes here) lands on both sides instead of between them.
     per_round = max(1, args.steps // ROUNDS)
@@ -56,16 +74,18 @@ def main(args) -> dict:
     timed = {"attention": 0.0, "cpp_matmul": 0.0, "cpp_other": 0.0}
     profiled_s = plain_s = 0.0
     for _ in range(ROUNDS):
-        t1 = time.perf_counter()
-        for _ in range(per_round):
-            engine.step()
-        plain_s += time.perf_counter() - t1
-        before = {"attention": attention[0], "cpp_matmul": cpp_matmul[0], "cpp_other": cpp_other[0]}
-        t0 = time.perf_counter()
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with timing(model_timers):
+            t1 = time.perf_counter()
             for _ in range(per_round):
                 engine.step()
-        profiled_s += time.perf_counter() - t0
+            plain_s += time.perf_counter() - t1
+        before = {"attention": attention[0], "cpp_matmul": cpp_matmul[0], "cpp_other": cpp_other[0]}
+        with timing(op_timers):
+            t0 = time.perf_counter()
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                for _ in range(per_round):
+                    engine.step()
+            profiled_s += time.perf_counter() - t0
         for k, bucket in (("attention", attention), ("cpp_matmul", cpp_matmul), ("cpp_other", cpp_other)):
             timed[k] += bucket[0] - before[k]
         for e in prof.key_averages():
@@ -88,19 +108,25 @@ def main(args) -> dict:
     glue = max(0.0, plain - matmul - attention_s - other_ops)
     parts = {"matmul (linear layers, LM head)": matmul, "attention (write K/V + paged attention)": attention_s,
              "other ops (norms, activations, argmax...)": max(0.0, other_ops), "Python and glue": glue}
+    stack = model.decoder_stack(backend) is not None
+    outside = max(0.0, plain - model_s[0] / n)
     report = {"batch": args.batch, "context": args.context, "dtype": engine.config.dtype,
+              "layer_loop": "C++ decoder stack" if stack else "Python",
               "backend": backend.name, "quantization": engine.config.quantization, "step_ms": round(plain * 1000, 2),
               "tokens_per_s": round(args.batch / plain, 1),
               "profiled_step_ms": round(total * 1000, 2),
               "parts_ms": {k: round(v * 1000, 2) for k, v in parts.items()},
-              "shares": {k: round(v / plain, 3) for k, v in parts.items()}}
+              "shares": {k: round(v / plain, 3) for k, v in parts.items()},
+              "outside_model_ms": round(outside * 1000, 2), "outside_model_share": round(outside / plain, 3)}
     print(f"batch {args.batch}, context ~{args.context}, {engine.config.dtype}, {backend.name} attention, "
-          f"quantization {engine.config.quantization}: "
+          f"quantization {engine.config.quantization}, {report['layer_loop']} layer loop: "
           f"{report['step_ms']} ms per decode step = {report['tokens_per_s']} tok/s")
     print(f"{'part':<42}{'ms/step':>9}{'share':>8}   (op times from a profiled run of "
           f"{report['profiled_step_ms']} ms per step)")
     for k, v in parts.items():
         print(f"{k:<42}{v * 1000:>9.2f}{100 * v / plain:>7.1f}%")
+    print(f"outside the model's forward and LM head (scheduler, runner, sampler, outputs; timed without the "
+          f"profiler): {outside * 1000:.2f} ms = {100 * outside / plain:.1f}%")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
