@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.cpu_features import matmul_dtype
 from pagedllm.models import decoder_stack
 from pagedllm.models.gguf_quant import decode_blocks
 from pagedllm.models.quantized_linear import Int4Matmul, Int8BlockMatmul, NativePackedMatmul
@@ -72,18 +73,25 @@ def gguf_blocks(folder: str, kind: str) -> dict:
     return blocks
 
 
-@pytest.mark.parametrize(("arch", "dtype", "kind"), [
-    ("llama", "float32", None),        # plain weights: at::linear, as F.linear
-    ("qwen2", "bfloat16", None),       # prepacked oneDNN weights (widened where the CPU lacks bf16), q/k/v bias
-    ("qwen2", "float32", "Q4_1"),      # torch's 4-bit kernel for small steps, with the bias added after it
-    ("llama", "bfloat16", "Q4_0"),
-    ("llama", "bfloat16", "Q8_0"),     # our Q8_0 kernel (attached even where its crossover is 0 rows)
+@pytest.mark.parametrize(("arch", "dtype", "kind", "native_bf16"), [
+    ("llama", "float32", None, False),     # plain weights: at::linear, as F.linear
+    ("qwen2", "bfloat16", None, False),    # prepacked oneDNN weights (widened where the CPU lacks bf16), q/k/v bias
+    ("qwen2", "bfloat16", None, True),     # bf16 packed as bf16: the path of a CPU with AVX512-BF16 or AMX
+    ("qwen2", "float32", "Q4_1", False),   # torch's 4-bit kernel for small steps, with the bias added after it
+    ("llama", "bfloat16", "Q4_0", True),
+    ("llama", "bfloat16", "Q8_0", False),  # our Q8_0 kernel (attached even where its crossover is 0 rows)
 ])
-def test_tiny_checkpoints_equal_the_python_loop(tmp_path, arch, dtype, kind):
+def test_tiny_checkpoints_equal_the_python_loop(tmp_path, monkeypatch, arch, dtype, kind, native_bf16):
+    if native_bf16:  # as the engine chooses on such a CPU; oneDNN emulates bf16 where the CPU lacks it
+        monkeypatch.setattr("pagedllm.engine.engine.matmul_dtype", lambda dtype: dtype)
     folder = make_tiny_checkpoint(tmp_path / arch, arch)
     llm = LLM(model=folder, dtype=dtype, block_size=8, num_kv_blocks=128, max_num_batched_tokens=64,
               attention_backend="cpu", enable_prefix_caching=False)
     prompts = prompts_for(512)
+    widen = torch.float32 if dtype == "bfloat16" and not native_bf16 and matmul_dtype(torch.bfloat16) == torch.float32 \
+        else None
+    for layer in llm.engine.runner.model.layers:  # bf16: oneDNN's packed weights, float32: plain ones
+        assert layer.mlp.down_proj.widen == widen and (layer.mlp.down_proj.packed is None) == (dtype == "float32")
     if kind is not None:
         llm.generate([{"prompt_token_ids": [5]}], PARAMS, use_tqdm=False)  # builds the stack before the change
         model = llm.engine.runner.model

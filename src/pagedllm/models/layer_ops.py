@@ -1,10 +1,11 @@
 """Per-token layer ops: RMSNorm, residual add fused with RMSNorm, SiLU-and-multiply.
 
 ``TorchLayerOps`` defines the numerics (HF transformers' order of float32 maths and rounding);
-``CpuLayerOps`` runs each op as one call into C++ (``models/csrc/layer_ops_cpu.cpp``), which
-rounds where torch rounds, so only the order of the RMS sum differs. At batch 1 a decoder layer is
-a dozen tiny ops, and their Python dispatch costs more than their arithmetic: the fused ops cut
-the calls per layer from ~25 to ~9. ``get_layer_ops`` picks C++ on CPU when it builds.
+``CpuLayerOps`` runs each op as one call into C++ (``csrc/layer_ops.h``, bound by
+``models/csrc/layer_ops_cpu.cpp``), which rounds where torch rounds, so only the order of the RMS
+sum differs. At batch 1 a decoder layer is a dozen tiny ops, and their Python dispatch costs more
+than their arithmetic: the fused ops cut the calls per layer from ~25 to ~9 (and the C++ decoder
+stack, ``decoder_stack``, to none). ``get_layer_ops`` picks C++ on CPU when it builds.
 
 ``add_rms_norm(x, residual, ...)`` returns ``(norm(x + residual), x + residual)``; the C++ version
 updates ``residual`` in place, so callers must own it (the model's forward does).
