@@ -124,3 +124,24 @@ def test_the_python_loop_runs_where_the_stack_does_not_apply(tmp_path):
     assert decoder_stack.describe_projection(module, lin) is None
     model.layer_loop = "python"
     assert model.decoder_stack(llm.engine.runner.backend) is None
+
+
+def test_widened_layers_keep_float32_between_the_ops(tmp_path, monkeypatch):
+    """Where the GEMMs compute in float32 (here forced, as on a CPU without native bf16), the stack
+    hands float32 rows from op to op: two dtype conversions per layer instead of the Python loop's
+    eight (one into and one out of each projection), with the same results."""
+    monkeypatch.setattr("pagedllm.engine.engine.matmul_dtype", lambda dtype: torch.float32)
+    folder = make_tiny_checkpoint(tmp_path / "qwen2", "qwen2")
+    llm = LLM(model=folder, dtype="bfloat16", block_size=8, num_kv_blocks=64, attention_backend="cpu",
+              enable_prefix_caching=False)
+    model = llm.engine.runner.model
+    assert all(layer.mlp.down_proj.widen == torch.float32 for layer in model.layers)
+    assert_stack_equals_python_loop(llm, prompts_for(512, (3, 40)))
+    copies = {}
+    for loop in ("python", "auto"):
+        model.layer_loop = loop
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            llm.generate([{"prompt_token_ids": list(range(10, 50))}], PARAMS, use_tqdm=False)  # 10 forwards
+        copies[loop] = sum(e.count for e in prof.key_averages() if e.key == "aten::copy_")
+    model.layer_loop = "auto"
+    assert copies["python"] - copies["auto"] == 6 * model.config.num_layers * PARAMS.max_tokens

@@ -38,9 +38,10 @@ inline float exp_clamped(float x) {
   return x > kExpOverflow ? std::numeric_limits<float>::infinity() : exp_poly(x);
 }
 
-// out = weight * (x * rsqrt(mean(x^2) + eps)).to(T), with x in float32: HF's LlamaRMSNorm.
-template <typename T>
-__attribute__((optimize("fp-contract=off"))) void norm_row(const T* x, const T* w, T* out, int64_t H, float eps) {
+// out = weight * (x * rsqrt(mean(x^2) + eps)).to(T), with x in float32: HF's LlamaRMSNorm. Out is T,
+// or float32 holding the same T-rounded values (for a float32 GEMM next, without a conversion).
+template <typename T, typename Out = T>
+__attribute__((optimize("fp-contract=off"))) void norm_row(const T* x, const T* w, Out* out, int64_t H, float eps) {
   float ss = 0.f;
 #pragma omp simd reduction(+ : ss)
   for (int64_t i = 0; i < H; ++i) {
@@ -48,7 +49,20 @@ __attribute__((optimize("fp-contract=off"))) void norm_row(const T* x, const T* 
     ss += v * v;
   }
   const float inv = 1.0f / std::sqrt(ss / static_cast<float>(H) + eps);
-  for (int64_t i = 0; i < H; ++i) out[i] = static_cast<T>(f32(w[i]) * f32(static_cast<T>(f32(x[i]) * inv)));
+  for (int64_t i = 0; i < H; ++i) {
+    out[i] = static_cast<Out>(static_cast<T>(f32(w[i]) * f32(static_cast<T>(f32(x[i]) * inv))));
+  }
+}
+
+// v rounded to T's precision, as a float: an input that a float32 GEMM left unrounded is rounded
+// here, where torch would have rounded the GEMM's output (identity where In is T).
+template <typename T, typename In>
+inline float rounded(In v) {
+  if constexpr (std::is_same_v<In, T>) {
+    return f32(v);
+  } else {
+    return f32(static_cast<T>(f32(v)));
+  }
 }
 
 // Float conversions that vectorise: T -> float, and float rounded to T's precision (nearest even,
@@ -89,15 +103,6 @@ struct Cvt<c10::BFloat16> {
     return out;
   }
 };
-
-template <typename T>
-void silu_mul_scalar(const T* gate, const T* up, T* out, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
-    const float x = Cvt<T>::load(gate[i]);
-    const float s = Cvt<T>::round(x / (1.0f + exp_clamped(-x)));
-    out[i] = Cvt<T>::store(s * Cvt<T>::load(up[i]));
-  }
-}
 
 #ifdef __AVX512F__
 // exp_clamped on 16 lanes (same reduction and polynomial).
@@ -154,20 +159,40 @@ inline void store16(c10::Half* p, __m512 x) {
 
 #endif
 
-template <typename T>
-void silu_mul_row(const T* gate, const T* up, T* out, int64_t I) {
+// In and Out are T, or float32 holding values to be rounded to T / already rounded to T (see norm_row).
+template <typename T, typename In = T, typename Out = T>
+void silu_mul_row(const In* gate, const In* up, Out* out, int64_t I) {
   int64_t i = 0;
 #ifdef __AVX512F__
   if constexpr (!std::is_same_v<T, double>) {
+    const T* tag = nullptr;  // round16's precision
     for (; i + 16 <= I; i += 16) {
-      const __m512 x = load16(gate + i);
+      __m512 x = load16(gate + i), u = load16(up + i);
+      if constexpr (!std::is_same_v<In, T>) {
+        x = round16(x, tag);
+        u = round16(u, tag);
+      }
       const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), x));
       const __m512 silu = _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
-      store16(out + i, _mm512_mul_ps(round16(silu, gate), load16(up + i)));
+      const __m512 product = _mm512_mul_ps(round16(silu, tag), u);
+      if constexpr (std::is_same_v<Out, T>) {
+        store16(out + i, product);
+      } else {
+        store16(out + i, round16(product, tag));
+      }
     }
   }
 #endif
-  silu_mul_scalar(gate + i, up + i, out + i, I - i);
+  for (; i < I; ++i) {
+    const float x = rounded<T>(gate[i]);
+    const float s = Cvt<T>::round(x / (1.0f + exp_clamped(-x)));
+    const float product = s * rounded<T>(up[i]);
+    if constexpr (std::is_same_v<Out, T>) {
+      out[i] = Cvt<T>::store(product);
+    } else {
+      out[i] = Cvt<T>::round(product);
+    }
+  }
 }
 
 inline int64_t rows_per_task(int64_t width) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(width, 1)); }
@@ -180,66 +205,108 @@ inline void check_rows(const torch::Tensor& x, const torch::Tensor& weight) {
 
 }  // namespace
 
-// RMSNorm of each row of x [T, H].
-inline torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+// The ops below take an output dtype: the model's (as torch computes them), or float32 holding the
+// same rounded values, for a float32 GEMM next (a CPU without native bf16: no conversion between).
+
+// Calls f(In*, Out*) with In = T or float (x's dtype) and Out = T or float (out's dtype).
+template <typename T, typename F>
+inline void with_types(const torch::Tensor& x, torch::Tensor& out, F&& f) {
+  const bool x_float = !std::is_same_v<T, float> && x.scalar_type() == at::kFloat;
+  const bool out_float = !std::is_same_v<T, float> && out.scalar_type() == at::kFloat;
+  if (x_float && out_float) f(x.data_ptr<float>(), out.data_ptr<float>());
+  else if (x_float) f(x.data_ptr<float>(), out.data_ptr<T>());
+  else if (out_float) f(x.data_ptr<T>(), out.data_ptr<float>());
+  else f(x.data_ptr<T>(), out.data_ptr<T>());
+}
+
+inline void check_out_dtype(at::ScalarType out, at::ScalarType model) {
+  TORCH_CHECK(out == model || out == at::kFloat, "the output dtype must be the model's or float32");
+}
+
+// RMSNorm of each row of x [T, H], into out_dtype.
+inline torch::Tensor rms_norm_to(torch::Tensor x, torch::Tensor weight, double eps, at::ScalarType out_dtype) {
   x = x.contiguous();
   check_rows(x, weight);
-  auto out = torch::empty_like(x);
+  check_out_dtype(out_dtype, x.scalar_type());
+  auto out = torch::empty(x.sizes(), x.options().dtype(out_dtype));
   const int64_t H = x.size(1);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
-    const scalar_t* src = x.data_ptr<scalar_t>();
     const scalar_t* w = weight.data_ptr<scalar_t>();
-    scalar_t* dst = out.data_ptr<scalar_t>();
-    at::parallel_for(0, x.size(0), rows_per_task(H), [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t) norm_row(src + t * H, w, dst + t * H, H, static_cast<float>(eps));
+    with_types<scalar_t>(x, out, [&](auto* src, auto* dst) {
+      const scalar_t* rows = reinterpret_cast<const scalar_t*>(src);  // x is always the model dtype here
+      at::parallel_for(0, x.size(0), rows_per_task(H), [&](int64_t begin, int64_t end) {
+        for (int64_t t = begin; t < end; ++t) norm_row(rows + t * H, w, dst + t * H, H, static_cast<float>(eps));
+      });
     });
   });
   return out;
 }
 
-// residual += x (rounded to the dtype, as torch's add), then RMSNorm of the new residual.
-// residual is updated in place; returns the normalised rows.
-inline torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps) {
+inline torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+  return rms_norm_to(x, weight, eps, x.scalar_type());
+}
+
+// residual += x (rounded to the dtype, as torch's add), then RMSNorm of the new residual into
+// out_dtype. residual is updated in place; x is in residual's dtype or float32 (then rounded to it
+// first, as torch rounds the float32 GEMM output it comes from); returns the normalised rows.
+inline torch::Tensor add_rms_norm_to_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps,
+                                      at::ScalarType out_dtype) {
   x = x.contiguous();
   check_rows(residual, weight);
-  TORCH_CHECK(x.sizes() == residual.sizes() && x.dtype() == residual.dtype(), "x and residual differ");
-  auto out = torch::empty_like(x);
+  const at::ScalarType dtype = residual.scalar_type();
+  TORCH_CHECK(x.sizes() == residual.sizes() && (x.scalar_type() == dtype || x.scalar_type() == at::kFloat),
+              "x and residual differ");
+  check_out_dtype(out_dtype, dtype);
+  auto out = torch::empty(x.sizes(), x.options().dtype(out_dtype));
   const int64_t H = x.size(1);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm", [&] {
-    const scalar_t* src = x.data_ptr<scalar_t>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "add_rms_norm", [&] {
     const scalar_t* w = weight.data_ptr<scalar_t>();
     scalar_t* res = residual.data_ptr<scalar_t>();
-    scalar_t* dst = out.data_ptr<scalar_t>();
-    at::parallel_for(0, x.size(0), rows_per_task(H), [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t) {
-        scalar_t* r = res + t * H;
-        const scalar_t* a = src + t * H;
-        for (int64_t i = 0; i < H; ++i) r[i] = static_cast<scalar_t>(f32(a[i]) + f32(r[i]));
-        norm_row(r, w, dst + t * H, H, static_cast<float>(eps));
-      }
+    with_types<scalar_t>(x, out, [&](auto* src, auto* dst) {
+      at::parallel_for(0, x.size(0), rows_per_task(H), [&](int64_t begin, int64_t end) {
+        for (int64_t t = begin; t < end; ++t) {
+          scalar_t* r = res + t * H;
+          const auto* a = src + t * H;
+          for (int64_t i = 0; i < H; ++i) r[i] = static_cast<scalar_t>(rounded<scalar_t>(a[i]) + f32(r[i]));
+          norm_row(r, w, dst + t * H, H, static_cast<float>(eps));
+        }
+      });
     });
   });
   return out;
+}
+
+inline torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps) {
+  TORCH_CHECK(x.dtype() == residual.dtype(), "x and residual differ");
+  return add_rms_norm_to_(x, residual, weight, eps, residual.scalar_type());
 }
 
 // gate_up [T, 2I] (gate then up) -> silu(gate) * up [T, I]; silu(g) = g / (1 + exp(-g)) in float32,
-// rounded to the dtype before the product, as F.silu(gate) * up computes it.
-inline torch::Tensor silu_mul(torch::Tensor gate_up) {
+// rounded to the dtype before the product, as F.silu(gate) * up computes it. gate_up is in dtype
+// or float32 (rounded to dtype first); the result goes into out_dtype.
+inline torch::Tensor silu_mul_to(torch::Tensor gate_up, at::ScalarType dtype, at::ScalarType out_dtype) {
   gate_up = gate_up.contiguous();
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "expected [tokens, 2 * intermediate]");
+  TORCH_CHECK(gate_up.scalar_type() == dtype || gate_up.scalar_type() == at::kFloat,
+              "gate_up must be in the model dtype or float32");
+  check_out_dtype(out_dtype, dtype);
   const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2;
-  auto out = torch::empty({T, I}, gate_up.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "silu_mul", [&] {
-    const scalar_t* src = gate_up.data_ptr<scalar_t>();
-    scalar_t* dst = out.data_ptr<scalar_t>();
-    at::parallel_for(0, T, rows_per_task(2 * I), [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t) {
-        silu_mul_row(src + t * 2 * I, src + t * 2 * I + I, dst + t * I, I);
-      }
+  auto out = torch::empty({T, I}, gate_up.options().dtype(out_dtype));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "silu_mul", [&] {
+    with_types<scalar_t>(gate_up, out, [&](auto* src, auto* dst) {
+      using In = std::remove_const_t<std::remove_pointer_t<decltype(src)>>;
+      using Out = std::remove_pointer_t<decltype(dst)>;
+      at::parallel_for(0, T, rows_per_task(2 * I), [&](int64_t begin, int64_t end) {
+        for (int64_t t = begin; t < end; ++t) {
+          silu_mul_row<scalar_t, In, Out>(src + t * 2 * I, src + t * 2 * I + I, dst + t * I, I);
+        }
+      });
     });
   });
   return out;
 }
+
+inline torch::Tensor silu_mul(torch::Tensor gate_up) { return silu_mul_to(gate_up, gate_up.scalar_type(), gate_up.scalar_type()); }
 
 namespace {
 

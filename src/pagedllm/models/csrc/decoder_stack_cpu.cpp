@@ -65,6 +65,14 @@ struct Projection {
     }
   }
 
+  // True when a step of `rows` rows runs the dense weight widened to float32: then the stack feeds
+  // it float32 rows and takes its float32 output unrounded (`widened`), see DecoderStack::forward.
+  bool widened_for(int64_t rows) const {
+    return dense == kPackedWidened && !(small != kNone && rows <= max_rows);
+  }
+
+  at::Tensor widened(const at::Tensor& x_float) const { return onednn_linear(x_float, weight, bias); }
+
   at::Tensor operator()(const at::Tensor& x) const {
     if (small != kNone && x.size(0) <= max_rows) {
       at::Tensor y;
@@ -108,6 +116,12 @@ class DecoderStack {
   }
 
   // x: the embedded tokens [T, hidden]; returns the hidden states after the final norm.
+  //
+  // Where a layer's four projections all run widened to float32 (a CPU without native bf16, steps
+  // past the small-batch kernels), the activations between the ops stay float32: the norms and
+  // SiLU-and-multiply write float32 rows holding the model dtype's rounded values (what the GEMM
+  // would have widened), and read the GEMMs' float32 outputs rounding them first (what the GEMM's
+  // conversion back would have done), so six conversions per layer go and every value is the same.
   at::Tensor forward(at::Tensor x, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
                      const std::vector<at::Tensor>& k_caches, const std::vector<at::Tensor>& v_caches,
                      const at::Tensor& slot_mapping, const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
@@ -115,40 +129,45 @@ class DecoderStack {
     TORCH_CHECK(k_caches.size() == layers_.size() && v_caches.size() == layers_.size(),
                 "one K and one V cache per layer expected");
     const int64_t T = x.size(0);
+    const at::ScalarType dtype = x.scalar_type();
     at::Tensor residual;
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& layer = layers_[i];
+      const bool wide = layer.qkv.widened_for(T) && layer.o.widened_for(T) && layer.gate_up.widened_for(T) &&
+                        layer.down.widened_for(T);
+      const at::ScalarType between = wide ? at::kFloat : dtype;  // the dtype of the norms' and SiLU's outputs
       at::Tensor h;
       {
         RECORD_FUNCTION("pagedllm::add_rms_norm", std::vector<c10::IValue>());
         if (i == 0) {
-          h = rms_norm(x, layer.input_norm, layer.input_eps);
+          h = rms_norm_to(x, layer.input_norm, layer.input_eps, between);
           residual = x;  // owned by this call: the norms below update it in place
         } else {
-          h = add_rms_norm_(x, residual, layer.input_norm, layer.input_eps);
+          h = add_rms_norm_to_(x, residual, layer.input_norm, layer.input_eps, between);
         }
       }
-      const at::Tensor qkv = layer.qkv(h);
+      const at::Tensor qkv = wide ? layer.qkv.widened(h).to(dtype) : layer.qkv(h);
       at::Tensor attention;
       {
         RECORD_FUNCTION("pagedllm::rope_store_attend", std::vector<c10::IValue>());
         attention = attend_(qkv, cos, sin, positions, k_caches[i], v_caches[i], slot_mapping, query_start_loc,
                             seq_lens, block_tables, scale_, num_heads_);
       }
-      h = layer.o(attention.reshape({T, q_size_}));
+      const at::Tensor rows = attention.reshape({T, q_size_});
+      h = wide ? layer.o.widened(rows.to(at::kFloat)) : layer.o(rows);
       {
         RECORD_FUNCTION("pagedllm::add_rms_norm", std::vector<c10::IValue>());
-        h = add_rms_norm_(h, residual, layer.post_attention_norm, layer.post_attention_eps);
+        h = add_rms_norm_to_(h, residual, layer.post_attention_norm, layer.post_attention_eps, between);
       }
-      const at::Tensor gate_up = layer.gate_up(h);
+      const at::Tensor gate_up = wide ? layer.gate_up.widened(h) : layer.gate_up(h);
       {
         RECORD_FUNCTION("pagedllm::silu_mul", std::vector<c10::IValue>());
-        h = silu_mul(gate_up);
+        h = silu_mul_to(gate_up, dtype, between);
       }
-      x = layer.down(h);
+      x = wide ? layer.down.widened(h) : layer.down(h);  // float32 from a widened layer: the next norm rounds it
     }
     RECORD_FUNCTION("pagedllm::add_rms_norm", std::vector<c10::IValue>());
-    return add_rms_norm_(x, residual, final_norm_, final_eps_);
+    return add_rms_norm_to_(x, residual, final_norm_, final_eps_, dtype);
   }
 
   size_t num_layers() const { return layers_.size(); }
