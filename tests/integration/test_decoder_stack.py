@@ -77,6 +77,7 @@ def gguf_blocks(folder: str, kind: str) -> dict:
     ("llama", "float32", None, False),     # plain weights: at::linear, as F.linear
     ("qwen2", "bfloat16", None, False),    # prepacked oneDNN weights (widened where the CPU lacks bf16), q/k/v bias
     ("qwen2", "bfloat16", None, True),     # bf16 packed as bf16: the path of a CPU with AVX512-BF16 or AMX
+    ("llama", "float16", None, False),     # float16 rounding between the ops (widened where the CPU lacks fp16 GEMMs)
     ("qwen2", "float32", "Q4_1", False),   # torch's 4-bit kernel for small steps, with the bias added after it
     ("llama", "bfloat16", "Q4_0", True),
     ("llama", "bfloat16", "Q8_0", False),  # our Q8_0 kernel (attached even where its crossover is 0 rows)
@@ -88,10 +89,11 @@ def test_tiny_checkpoints_equal_the_python_loop(tmp_path, monkeypatch, arch, dty
     llm = LLM(model=folder, dtype=dtype, block_size=8, num_kv_blocks=128, max_num_batched_tokens=64,
               attention_backend="cpu", enable_prefix_caching=False)
     prompts = prompts_for(512)
-    widen = torch.float32 if dtype == "bfloat16" and not native_bf16 and matmul_dtype(torch.bfloat16) == torch.float32 \
-        else None
+    half = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(dtype)
+    widen = torch.float32 if half is not None and not native_bf16 and matmul_dtype(half) == torch.float32 else None
     for layer in llm.engine.runner.model.layers:  # bf16: oneDNN's packed weights, float32: plain ones
-        assert layer.mlp.down_proj.widen == widen and (layer.mlp.down_proj.packed is None) == (dtype == "float32")
+        assert layer.mlp.down_proj.widen == widen
+        assert (layer.mlp.down_proj.packed is None) == (dtype == "float32" or (dtype == "float16" and widen is None))
     if kind is not None:
         llm.generate([{"prompt_token_ids": [5]}], PARAMS, use_tqdm=False)  # builds the stack before the change
         model = llm.engine.runner.model
