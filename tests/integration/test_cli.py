@@ -181,3 +181,18 @@ def test_every_command_prints_its_help(capsys):
             main([*argv, "--help"])
         assert exit_.value.code == 0, argv
         assert "usage: pagedllm" in capsys.readouterr().out
+
+
+def test_bench_step_timers_count_only_inside_their_block():
+    from pagedllm.bench.step_profile import timing
+
+    class Op:
+        def run(self, x):
+            return x + 1
+
+    op, bucket = Op(), [0.0]
+    with timing([(op, "run", bucket)]):
+        assert op.run(1) == 2
+    inside = bucket[0]
+    assert inside > 0 and "run" not in vars(op)  # the class's method again: no wrapper left behind
+    assert op.run(2) == 3 and bucket[0] == inside

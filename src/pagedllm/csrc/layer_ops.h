@@ -231,13 +231,18 @@ inline torch::Tensor rms_norm_to(torch::Tensor x, torch::Tensor weight, double e
   auto out = torch::empty(x.sizes(), x.options().dtype(out_dtype));
   const int64_t H = x.size(1);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+    const scalar_t* src = x.data_ptr<scalar_t>();
     const scalar_t* w = weight.data_ptr<scalar_t>();
-    with_types<scalar_t>(x, out, [&](auto* src, auto* dst) {
-      const scalar_t* rows = reinterpret_cast<const scalar_t*>(src);  // x is always the model dtype here
+    auto rows_into = [&](auto* dst) {
       at::parallel_for(0, x.size(0), rows_per_task(H), [&](int64_t begin, int64_t end) {
-        for (int64_t t = begin; t < end; ++t) norm_row(rows + t * H, w, dst + t * H, H, static_cast<float>(eps));
+        for (int64_t t = begin; t < end; ++t) norm_row(src + t * H, w, dst + t * H, H, static_cast<float>(eps));
       });
-    });
+    };
+    if (out_dtype == x.scalar_type()) {
+      rows_into(out.data_ptr<scalar_t>());
+    } else {
+      rows_into(out.data_ptr<float>());
+    }
   });
   return out;
 }

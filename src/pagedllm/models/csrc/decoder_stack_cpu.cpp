@@ -170,8 +170,6 @@ class DecoderStack {
     return add_rms_norm_to_(x, residual, final_norm_, final_eps_, dtype);
   }
 
-  size_t num_layers() const { return layers_.size(); }
-
  private:
   std::vector<Layer> layers_;
   at::Tensor final_norm_;
@@ -187,8 +185,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<int64_t, at::Tensor, std::optional<at::Tensor>, int64_t, int64_t, std::optional<at::Tensor>,
                     std::optional<at::Tensor>, std::optional<at::Tensor>>(),
            py::arg("dense"), py::arg("weight"), py::arg("bias"), py::arg("small"), py::arg("max_rows"),
-           py::arg("small_a"), py::arg("small_b"), py::arg("small_bias"))
-      .def("__call__", &Projection::operator(), py::arg("x"));
+           py::arg("small_a"), py::arg("small_b"), py::arg("small_bias"));
   py::class_<Layer>(m, "Layer", "one decoder layer's norms and projections")
       .def(py::init<at::Tensor, double, at::Tensor, double, Projection, Projection, Projection, Projection>(),
            py::arg("input_norm"), py::arg("input_eps"), py::arg("post_attention_norm"),
@@ -199,6 +196,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("scale"), py::arg("attend"))
       .def("forward", &DecoderStack::forward, py::arg("x"), py::arg("positions"), py::arg("cos"), py::arg("sin"),
            py::arg("k_caches"), py::arg("v_caches"), py::arg("slot_mapping"), py::arg("query_start_loc"),
-           py::arg("seq_lens"), py::arg("block_tables"))
-      .def_property_readonly("num_layers", &DecoderStack::num_layers);
+           py::arg("seq_lens"), py::arg("block_tables"));
 }
