@@ -75,6 +75,18 @@ def without_installed_builds(monkeypatch, tmp_path):
     monkeypatch.setattr(cpu_extension, "load_installed", lambda source, here: (None, "there is no installed build"))
 
 
+def force_cpu_family(monkeypatch, family: str):
+    """Make the engine choose its kernels as on a CPU of ``family`` (``cpu_features.for_family``);
+    skips, naming both families, where this CPU's oneDNN cannot run what that family would choose."""
+    from pagedllm import cpu_features
+
+    forced, real = cpu_features.CpuFeatures.for_family(family), cpu_features.detect()
+    if not real.runs_kernels_of(forced):
+        pytest.skip(f"this CPU ({real.describe()}) cannot run the oneDNN layouts chosen for {family} CPUs")
+    monkeypatch.setattr(cpu_features, "current", lambda: forced)
+    return forced
+
+
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_token_id=None) -> list[int]:
     """HF transformers greedy generation of one prompt alone; returns only the new token ids."""
     inp = torch.tensor([prompt_ids])

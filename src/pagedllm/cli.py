@@ -132,7 +132,7 @@ def cmd_generate(args) -> int:
     print(f"[model {eng.model_path.name}, {eng.config.dtype}, quantization {eng.config.quantization}, "
           f"loaded in {eng.load_seconds:.1f}s, "
           f"attention {eng.runner.backend.name}, {eng.kv_manager.num_blocks} KV blocks of "
-          f"{eng.kv_manager.block_size} tokens]", file=sys.stderr)
+          f"{eng.kv_manager.block_size} tokens; {eng.kernels_line()}]", file=sys.stderr)
     prompt = args.prompt
     if args.chat:
         prompt = {"prompt_token_ids": llm.get_tokenizer().apply_chat_template([{"role": "user", "content": prompt}])}

@@ -71,10 +71,11 @@ class LoadOptions:
 
     model: str | None = Field(None, description="a local .gguf file or HF folder (config.json + safetensors); "
                                                 "default: the embedded SmolLM2-135M-Instruct (GGUF Q4_1)")
-    dtype: Literal[SUPPORTED_DTYPES] = Field("auto", description="weights and KV cache; auto: bfloat16 on a CPU "
-                                                                 "with native bf16 or on CUDA, else float32")
+    dtype: Literal[SUPPORTED_DTYPES] = Field("auto", description="weights and KV cache; auto: bfloat16 on CUDA "
+                                                                 "and on x86 CPUs with AVX2 or more, else float32")
     quantization: Literal[QUANTIZATIONS] = Field(
-        "auto", description="gguf: steps of at most 8 token rows read a GGUF's own Q4_0/Q4_1/Q8_0 blocks; "
+        "auto", description="gguf: small steps (up to 8-16 token rows, per CPU family) read a GGUF's own "
+                            "Q4_0/Q4_1/Q8_0 blocks; "
                             "auto: gguf for such a GGUF on CPU in bf16/fp16, else none")
     device: str = Field("cpu", description="cpu or cuda")
     attention_backend: Literal[ATTENTION_BACKENDS] = Field(

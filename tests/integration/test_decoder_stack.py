@@ -20,7 +20,7 @@ from pagedllm.cpu_features import matmul_dtype
 from pagedllm.models import decoder_stack
 from pagedllm.models.gguf_quant import decode_blocks
 from pagedllm.models.quantized_linear import Int4Matmul, Int8BlockMatmul, NativePackedMatmul
-from tests.conftest import make_tiny_checkpoint
+from tests.conftest import force_cpu_family, make_tiny_checkpoint
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=3)
 
@@ -84,7 +84,7 @@ def gguf_blocks(folder: str, kind: str) -> dict:
 ])
 def test_tiny_checkpoints_equal_the_python_loop(tmp_path, monkeypatch, arch, dtype, kind, native_bf16):
     if native_bf16:  # as the engine chooses on such a CPU; oneDNN emulates bf16 where the CPU lacks it
-        monkeypatch.setattr("pagedllm.engine.engine.matmul_dtype", lambda dtype: dtype)
+        force_cpu_family(monkeypatch, "avx512_bf16")  # skips where oneDNN packs no bf16 (AVX2-only CPUs)
     folder = make_tiny_checkpoint(tmp_path / arch, arch)
     llm = LLM(model=folder, dtype=dtype, block_size=8, num_kv_blocks=128, max_num_batched_tokens=64,
               attention_backend="cpu", enable_prefix_caching=False)
@@ -132,7 +132,7 @@ def test_widened_layers_keep_float32_between_the_ops(tmp_path, monkeypatch):
     """Where the GEMMs compute in float32 (here forced, as on a CPU without native bf16), the stack
     hands float32 rows from op to op: two dtype conversions per layer instead of the Python loop's
     eight (one into and one out of each projection), with the same results."""
-    monkeypatch.setattr("pagedllm.engine.engine.matmul_dtype", lambda dtype: torch.float32)
+    force_cpu_family(monkeypatch, "avx2")  # no native bf16: float32 GEMMs, on any x86 CPU with AVX2
     folder = make_tiny_checkpoint(tmp_path / "qwen2", "qwen2")
     llm = LLM(model=folder, dtype="bfloat16", block_size=8, num_kv_blocks=64, attention_backend="cpu",
               enable_prefix_caching=False)
@@ -147,3 +147,23 @@ def test_widened_layers_keep_float32_between_the_ops(tmp_path, monkeypatch):
         copies[loop] = sum(e.count for e in prof.key_averages() if e.key == "aten::copy_")
     model.layer_loop = "auto"
     assert copies["python"] - copies["auto"] == 6 * model.config.num_layers * PARAMS.max_tokens
+
+
+def test_without_onednn_packing_a_bf16_model_keeps_plain_float32_weights(tmp_path, monkeypatch):
+    """A CPU whose oneDNN packs nothing (forced: an x86 CPU without AVX2) widens each bf16 layer into
+    a plain float32 copy (MKL's sgemm); the stack does not run that layout, so the Python loop does,
+    and greedy tokens equal those of the packed float32 GEMMs of an AVX2 CPU."""
+    folder = make_tiny_checkpoint(tmp_path / "qwen2", "qwen2")
+    prompts = [{"prompt_token_ids": p} for p in prompts_for(512, (3, 40))]
+    tokens = {}
+    for family in ("avx2", "baseline"):
+        force_cpu_family(monkeypatch, family)
+        llm = LLM(model=folder, dtype="bfloat16", block_size=8, num_kv_blocks=64, attention_backend="cpu")
+        model = llm.engine.runner.model
+        down = model.layers[0].mlp.down_proj
+        assert down.widen == torch.float32 and (down.packed is None) == (family == "baseline")
+        assert (down.wide_weight is not None) == (family == "baseline")
+        assert (model.decoder_stack(llm.engine.runner.backend) is None) == (family == "baseline")
+        assert llm.engine.kernel_plan.family == family and family in llm.engine.kernels_line()
+        tokens[family] = [o.outputs[0].token_ids for o in llm.generate(prompts, PARAMS, use_tqdm=False)]
+    assert tokens["baseline"] == tokens["avx2"]

@@ -6,10 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedllm import LLM, SamplingParams
+from pagedllm import LLM, SamplingParams, cpu_features
 from pagedllm.cpu_features import matmul_dtype
 from pagedllm.errors import InvalidRequest, RequestTooLong
-from pagedllm.models.quantized_linear import Int8BlockMatmul, Linear, NativePackedMatmul
+from pagedllm.models.kernel_plan import plan_kernels
+from pagedllm.models.quantized_linear import Int4Matmul, Int8BlockMatmul, Linear, NativePackedMatmul
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
 
@@ -206,27 +207,36 @@ def test_quantization_option_resolves_and_rejects_what_cannot_apply(tmp_path):
 
 
 def test_bf16_engine_prepacks_weights_and_logits_equal_dense():
+    """The kernels follow this CPU family's plan (``kernel_plan``; each family's plan is checked in
+    tests/unit/test_cpu_features.py), and every path gives the logits of the dense weights."""
     llm = LLM(dtype="bfloat16", kv_cache_memory="64MiB")
-    model = llm.engine.runner.model
-    assert model.lm_head.packed is not None and model.embed_tokens.weight is not None
-    assert all(layer.mlp.down_proj.packed is not None for layer in model.layers)
-    # float32 GEMMs exactly where this CPU lacks native bf16 ones (both families must pass this)
+    model, plan = llm.engine.runner.model, llm.engine.kernel_plan
+    assert plan == plan_kernels(cpu_features.detect(), torch.bfloat16)
+    assert plan.family in llm.engine.kernels_line()
+    assert model.embed_tokens.weight is not None  # the tied head dropped only its own reference
+    assert all(layer.mlp.down_proj.packed is not None for layer in model.layers) == plan.pack
+    assert (model.lm_head.packed is not None) == plan.pack
+    # float32 GEMMs exactly where this CPU lacks native bf16 ones (every family must pass this)
     widened = matmul_dtype(torch.bfloat16) == torch.float32
+    assert plan.widened == widened
     assert all((lin.widen == torch.float32) == widened for lin in model.modules() if isinstance(lin, Linear))
-    # the GGUF kernels' crossovers follow the dense path: 4-bit up to 16 rows against float32
-    # GEMMs, else 8; the Q8_0 LM head only against bf16 GEMMs (float32 ones beat it at every size)
+    # the GGUF kernels' crossovers are the family's: 4-bit blocks in every layer...
     qkv = model.layers[0].self_attn.qkv_proj
-    assert qkv.small_batch is not None and qkv.max_rows == (16 if widened else 8)
-    # ...and against float32 GEMMs a 1-row head reads the bf16 weight (half the bytes) instead
+    assert isinstance(qkv.small_batch, Int4Matmul) and qkv.max_rows == plan.int4_rows
+    # ...and the LM head on its Q8_0 blocks, or (AVX-512 without BF16) the bf16 weight natively
+    # packed for one row, half float32's bytes
     head = model.lm_head
-    assert isinstance(head.small_batch, NativePackedMatmul if widened else Int8BlockMatmul)
-    assert head.max_rows == (1 if widened else 8)
-    one = torch.randn(1, model.config.hidden_size, generator=torch.Generator().manual_seed(1)).bfloat16()
-    if widened:  # the 1-row head is a bf16 GEMM (oneDNN's blocked kernel; F.linear may sum in another order)
-        exact = torch.nn.functional.linear(one.float(), model.embed_tokens.weight.float())
-        torch.testing.assert_close(model.compute_logits(one), exact, rtol=2**-7, atol=1e-2)
-    hidden = torch.randn(20, model.config.hidden_size, generator=torch.Generator().manual_seed(0)).bfloat16()
-    logits = model.compute_logits(hidden)  # 20 rows: the dense (prepacked) head
+    if plan.q8_0_rows:
+        assert isinstance(head.small_batch, Int8BlockMatmul) and head.max_rows == plan.q8_0_rows
+    else:
+        assert isinstance(head.small_batch, NativePackedMatmul) and head.max_rows == plan.native_head_rows
+    small = torch.randn(1, model.config.hidden_size, generator=torch.Generator().manual_seed(1)).bfloat16()
+    exact = torch.nn.functional.linear(small.float(), model.embed_tokens.weight.float())
+    tol = 2**-7 if plan.q8_0_rows == 0 else 3e-2  # Q8_0 blocks are the GGUF's weights, not the bf16 table's
+    torch.testing.assert_close(model.compute_logits(small), exact, rtol=tol, atol=tol)
+    rows = max(plan.q8_0_rows, plan.native_head_rows) + 4  # past the small-batch kernels: the dense head
+    hidden = torch.randn(rows, model.config.hidden_size, generator=torch.Generator().manual_seed(0)).bfloat16()
+    logits = model.compute_logits(hidden)
     if widened:  # the float32 product rounded to bf16 once; the sum's order may move a rare ulp
         exact = torch.nn.functional.linear(hidden.float(), model.embed_tokens.weight.float())
         torch.testing.assert_close(logits, exact, rtol=2**-8, atol=1e-3)

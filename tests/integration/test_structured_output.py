@@ -8,6 +8,7 @@ import json
 
 import jsonschema
 import pytest
+import torch
 
 from pagedllm import LLM, SamplingParams, StructuredOutputsParams
 from pagedllm.errors import InvalidRequest
@@ -192,8 +193,14 @@ def test_logprobs_stay_those_of_the_raw_distribution(smollm_fp32):
     first, raw = constrained.outputs[0].logprobs[0], free.outputs[0].logprobs[0]
     chosen = constrained.outputs[0].token_ids[0]
     assert chosen != free.outputs[0].token_ids[0]  # the grammar changed the choice...
-    assert {t: lp.logprob for t, lp in first.items() if t != chosen} == \
-        {t: lp.logprob for t, lp in raw.items() if t != chosen and t in first}  # ...not the distribution
+    ours = {t: lp.logprob for t, lp in first.items() if t != chosen}
+    theirs = {t: lp.logprob for t, lp in raw.items() if t != chosen and t in first}
+    assert ours.keys() == theirs.keys()  # ...not the distribution: a grammar's mask renormalised
+    # over the allowed tokens would move these by whole units. The shared engine may hold this prompt
+    # in its prefix cache from earlier tests, so the two last rows can come from steps of different
+    # shapes, where a GEMM may sum in another order (MKL's AVX2 sgemm does; alone, on a fresh engine,
+    # they are bit-equal here): equal up to float32 rounding, not bit for bit.
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-4)
     assert first[chosen].rank > 1
 
 

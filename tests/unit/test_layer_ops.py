@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from pagedllm import cpu_features
 from pagedllm.models.gguf_quant import decode_blocks
 from pagedllm.models.layer_ops import EXTENSION, CpuLayerOps, TorchLayerOps, get_layer_ops
 from pagedllm.models.quantized_linear import Int4Matmul, Int8BlockMatmul, Linear, quantized_matmul
@@ -120,6 +121,11 @@ def test_without_a_compiler_layer_ops_fall_back_to_torch_and_say_so_once(monkeyp
     assert quantized_matmul(blocks, torch.float32, TorchLayerOps()) is None  # Q8_0 needs the C++ kernel
 
 
+HERE = cpu_features.detect()
+
+
+@pytest.mark.skipif(not HERE.onednn_packs(torch.bfloat16),
+                    reason=f"oneDNN packs no bf16 weight on this CPU ({HERE.describe()}): needs AVX-512/AVX-NE-CONVERT")
 @pytest.mark.parametrize("bias", [False, True])
 def test_onednn_prepacked_linear_is_identical_to_f_linear_in_bf16(bias):
     lin = Linear(192, 320, bias=bias).to(torch.bfloat16)
@@ -143,6 +149,7 @@ def test_float32_compute_of_a_half_precision_linear_rounds_the_float32_product_o
     weight = lin.weight.detach().float()
     bias32 = None if lin.bias is None else lin.bias.detach().float()
     assert lin.prepack(torch.float32) and lin.weight is None and lin.widen == torch.float32
+    assert lin.packed is not None if HERE.onednn_packs(torch.float32) else lin.wide_weight is not None
     for rows in (1, 7, 64, 300):
         x = torch.randn(rows, 192, generator=torch.Generator().manual_seed(rows)).to(dtype)
         with torch.no_grad():

@@ -5,9 +5,12 @@ and each row count (tokens in the step), times in one process: ``F.linear`` on t
 weight (what HF and the first engine used), the same weight prepacked for oneDNN
 (``prepack_for_onednn``, identical results), the weight widened to float32 and prepacked, timed
 with the activation's widening and the output's rounding as the engine runs it on a CPU without
-native bf16 (``cpu_features.matmul_dtype``), and the weight-only kernel over the GGUF's own
+native bf16 (``cpu_features.matmul_dtype``), the same float32 weight unpacked (MKL's sgemm: the
+path where oneDNN packs no float32), and the weight-only kernel over the GGUF's own
 blocks (int4 for the Q4_1 projections, the C++ Q8_0 kernel for the LM head). The per-layer total
-shows where the quantized path stops paying (``quantized_linear.DEFAULT_MAX_ROWS``). Weights are
+shows where the quantized path stops paying (each family's crossovers: ``kernel_plan``). A
+packing oneDNN does not do on this CPU (``CpuFeatures.onednn_packs``) is not timed, and the
+report says why. Weights are
 the real ones, so the quantized kernels see their real block layout. Medians of repeated calls.
 """
 
@@ -38,12 +41,18 @@ def _widened(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     return onednn_linear(x.float(), packed, None).to(x.dtype)
 
 
+def _plain_widened(x: torch.Tensor, weight32: torch.Tensor) -> torch.Tensor:
+    return F.linear(x.float(), weight32).to(x.dtype)
+
+
 def main(args) -> dict:
+    from pagedllm import cpu_features
     from pagedllm.models.gguf_quant import BlockQuantized
     from pagedllm.models.layer_ops import get_layer_ops
     from pagedllm.models.loader import load_weights, resolve_model_path
     from pagedllm.models.quantized_linear import onednn_linear, prepack_for_onednn, quantized_matmul
 
+    cpu = cpu_features.current()
     weights = load_weights(resolve_model_path(args.model))
     if not weights.quantized:
         raise SystemExit("bench matmul needs a GGUF model with Q4_0/Q4_1/Q8_0 tensors")
@@ -57,12 +66,21 @@ def main(args) -> dict:
         "lm_head": ["model.embed_tokens.weight" if "lm_head.weight" not in q else "lm_head.weight"],
     }
     rows_list = [int(r) for r in args.rows.split(",")]
-    report = {"rows": rows_list, "projections": {}}
+    report = {"rows": rows_list, "cpu": cpu.describe(), "projections": {}, "not_timed": {}}
+    if not cpu.onednn_packs(torch.bfloat16):
+        report["not_timed"]["prepacked"] = (f"oneDNN packs no bf16 weight on this CPU ({cpu.family}: "
+                                            "needs AVX-512 or AVX-NE-CONVERT)")
+    if not cpu.onednn_packs(torch.float32):
+        report["not_timed"]["prepacked_fp32"] = f"oneDNN packs no float32 weight on this CPU ({cpu.family})"
+    print(f"CPU: {cpu.describe()}")
+    for kind, why in report["not_timed"].items():
+        print(f"not timed: {kind}: {why}")
     gen = torch.Generator().manual_seed(args.seed)
     for name, parts in groups.items():
         dense = torch.cat([sd[n] for n in parts]).to(torch.bfloat16).contiguous()
         packed = prepack_for_onednn(dense)
         packed32 = prepack_for_onednn(dense, torch.float32)
+        dense32 = dense.float()
         kernel = quantized_matmul(BlockQuantized.cat([q[n] for n in parts]), torch.bfloat16, ops)
         per_rows = {}
         for rows in rows_list:
@@ -70,6 +88,7 @@ def main(args) -> dict:
             t = {"dense": _median_ms(partial(F.linear, x, dense), args.repeats)}
             if packed is not None:
                 t["prepacked"] = _median_ms(partial(onednn_linear, x, packed, None), args.repeats)
+            t["plain_fp32"] = _median_ms(partial(_plain_widened, x, dense32), args.repeats)
             if packed32 is not None:
                 t["prepacked_fp32"] = _median_ms(partial(_widened, x, packed32), args.repeats)
             if kernel is not None:

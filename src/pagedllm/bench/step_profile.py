@@ -111,7 +111,7 @@ def main(args) -> dict:
     stack = model.decoder_stack(backend) is not None
     outside = max(0.0, plain - model_s[0] / n)
     report = {"batch": args.batch, "context": args.context, "dtype": engine.config.dtype,
-              "layer_loop": "C++ decoder stack" if stack else "Python",
+              "layer_loop": "C++ decoder stack" if stack else "Python", "kernels": engine.kernels_line(),
               "backend": backend.name, "quantization": engine.config.quantization, "step_ms": round(plain * 1000, 2),
               "tokens_per_s": round(args.batch / plain, 1),
               "profiled_step_ms": round(total * 1000, 2),
@@ -121,6 +121,7 @@ def main(args) -> dict:
     print(f"batch {args.batch}, context ~{args.context}, {engine.config.dtype}, {backend.name} attention, "
           f"quantization {engine.config.quantization}, {report['layer_loop']} layer loop: "
           f"{report['step_ms']} ms per decode step = {report['tokens_per_s']} tok/s")
+    print(report["kernels"])
     print(f"{'part':<42}{'ms/step':>9}{'share':>8}   (op times from a profiled run of "
           f"{report['profiled_step_ms']} ms per step)")
     for k, v in parts.items():

@@ -21,9 +21,9 @@ import time
 import torch
 from pydantic import ValidationError
 
+from pagedllm import cpu_features
 from pagedllm.attention.backends import get_backend
 from pagedllm.config import QUANTIZATIONS, EngineConfig, EngineOptions, describe_error
-from pagedllm.cpu_features import matmul_dtype
 from pagedllm.engine.beam_search import BeamGroup, BeamSearchParams
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.engine.model_runner import ModelRunner
@@ -38,6 +38,7 @@ from pagedllm.kvcache.factory import make_kv_manager
 from pagedllm.kvstore.host_tier import HostTier
 from pagedllm.kvstore.storage import KVCacheStorage, bytes_per_block, num_blocks_for
 from pagedllm.models import decoder_stack
+from pagedllm.models.kernel_plan import KernelPlan, plan_kernels
 from pagedllm.models.layer_ops import CpuLayerOps, get_layer_ops
 from pagedllm.models.llama import LlamaForCausalLM
 from pagedllm.models.loader import LoadedWeights, load_weights, resolve_dtype, resolve_model_path
@@ -91,6 +92,7 @@ class Engine:
         self._counter = itertools.count()
         self._empty_steps = 0  # consecutive steps that scheduled nothing while requests were unfinished
         self.num_steps = 0     # steps that ran the model (or moved KV blocks)
+        self.kernel_plan: KernelPlan | None = None  # the CPU matmul kernels from_options chose
         self._seed_rng = torch.Generator().manual_seed(config.seed)
 
     # -- construction ------------------------------------------------------------------------
@@ -129,18 +131,20 @@ class Engine:
         with torch.device("meta"):
             net = LlamaForCausalLM(mcfg, _DTYPES[config.dtype], max_model_len, device=device, layer_ops=layer_ops)
         net.load_hf_state_dict(weights.state_dict)
-        # bf16/fp16 GEMMs run in float32 on CPUs without native bf16/fp16 dot products (3-4x faster)
-        compute_dtype = matmul_dtype(_DTYPES[config.dtype]) if device == "cpu" else None
-        widened = compute_dtype == torch.float32 and config.dtype != "float32"
+        # the kernels this CPU family runs best (kernel_plan): e.g. bf16/fp16 GEMMs in float32 on
+        # CPUs without native bf16/fp16 dot products (3-4x faster), each family's crossovers
+        plan = plan_kernels(cpu_features.current(), _DTYPES[config.dtype]) if device == "cpu" else None
         if config.quantization == "gguf":
-            net.use_gguf_quantized(weights.quantized, widened_dense=widened)
-        net.prepack_weights(compute_dtype)
+            net.use_gguf_quantized(weights.quantized, plan)
+        if plan is not None:
+            net.prepack_weights(plan)
         net.eval()
         del weights
         tokenizer = Tokenizer.load(path, path.suffix == ".gguf")
         load_seconds = time.perf_counter() - t0  # weights + tokenizer; not the kernel build
         engine = cls(config, net, tokenizer, options.attention_backend)
         engine.load_seconds = load_seconds
+        engine.kernel_plan = plan
         engine.model_path = path
         # Everything alive now lives as long as the engine: keep it out of the cyclic GC's scans
         # (hundreds of thousands of objects after importing torch and transformers), as vLLM does.
@@ -149,6 +153,13 @@ class Engine:
         atexit.unregister(gc.unfreeze)  # registered once per process
         atexit.register(gc.unfreeze)    # let interpreter shutdown collect them as usual
         return engine
+
+    def kernels_line(self) -> str:
+        """The CPU family and the matmul kernels chosen for it (the start lines and ``bench step``
+        print it); on a GPU, the device."""
+        if self.kernel_plan is None:
+            return f"device {self.config.device}"
+        return f"CPU {cpu_features.current().describe()}: {self.kernel_plan.describe()}"
 
     # -- requests -------------------------------------------------------------------------------
     PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")

@@ -10,7 +10,8 @@ It applies where every part of a layer already runs in our C++ or in torch ops c
 the C++ layer ops (``CpuLayerOps``), the C++ attention backend (``CpuBackend``, RoPE fused), and
 projections whose kernels are the dense ones of ``Linear`` or a 4-bit / Q8_0 small-batch kernel.
 ``build_decoder_stack`` returns None anywhere else (another backend, a GPU, torch layer ops, a
-kernel it does not know), and the model keeps its Python loop.
+kernel it does not know, a plain float32 copy of a widened weight where oneDNN packs nothing), and
+the model keeps its Python loop.
 """
 
 from __future__ import annotations

@@ -22,13 +22,11 @@ from pagedllm.config import ModelConfig
 from pagedllm.kvstore.storage import KVCacheStorage
 from pagedllm.models.decoder_stack import build_decoder_stack
 from pagedllm.models.gguf_quant import BlockQuantized
+from pagedllm.models.kernel_plan import KernelPlan
 from pagedllm.models.layer_ops import TorchLayerOps
 from pagedllm.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from pagedllm.models.quantized_linear import (
     DEFAULT_MAX_ROWS,
-    WIDENED_INT4_MAX_ROWS,
-    WIDENED_INT8_MAX_ROWS,
-    WIDENED_NATIVE_HEAD_MAX_ROWS,
     Linear,
     NativePackedMatmul,
     prepack_for_onednn,
@@ -146,26 +144,29 @@ class LlamaForCausalLM(nn.Module):
         """Logits [rows, vocab] computed in the model dtype (as HF does), returned as float32."""
         return self.lm_head.forward(hidden).float()
 
-    def prepack_weights(self, compute_dtype: torch.dtype | None = None) -> int:
-        """oneDNN layouts for every projection and the LM head (see ``Linear.prepack``): by default
-        where results stay identical (bfloat16 on CPU); ``compute_dtype=float32`` makes bf16/fp16
-        GEMMs compute in float32, except a 1-row LM head without another small-batch kernel, which
-        keeps a native packed copy (``NativePackedMatmul``). Returns how many were packed. A tied
-        head drops only its own reference: the embedding keeps the dense table for lookups."""
+    def prepack_weights(self, plan: KernelPlan) -> int:
+        """Dense layouts per ``plan`` (``kernel_plan``): oneDNN-packed where it packs, widened to
+        float32 where the CPU lacks native bf16/fp16 GEMMs (``Linear.prepack``); float32 models keep
+        their plain weights. A widened 1-row LM head without another small-batch kernel keeps a
+        natively packed bf16 copy where the plan says so (``NativePackedMatmul``). Returns how many
+        were changed. A tied head drops only its own reference: the embedding keeps the dense table."""
         self._stack_backend = False  # the stack holds the kernels: rebuild it on the next forward
+        if plan.compute == torch.float32 and self.dtype == torch.float32:
+            return 0
         head = self.lm_head
-        if compute_dtype == torch.float32 and self.dtype != torch.float32 and head.small_batch is None:
+        if plan.native_head_rows and head.small_batch is None:
             native = prepack_for_onednn(head.weight)  # before the float32 packing drops the weight
             if native is not None:
-                head.use_quantized(NativePackedMatmul(native), WIDENED_NATIVE_HEAD_MAX_ROWS)
-        return sum(m.prepack(compute_dtype) for m in self.modules() if isinstance(m, Linear))
+                head.use_quantized(NativePackedMatmul(native), plan.native_head_rows)
+        compute = plan.compute if plan.widened else None
+        return sum(m.prepack(compute) for m in self.modules() if isinstance(m, Linear))
 
-    def use_gguf_quantized(self, quantized: dict[str, BlockQuantized], max_rows: int = DEFAULT_MAX_ROWS,
-                           widened_dense: bool = False) -> int:
+    def use_gguf_quantized(self, quantized: dict[str, BlockQuantized], plan: KernelPlan | None = None,
+                           max_rows: int | None = None) -> int:
         """Attach small-batch kernels over GGUF blocks (HF-named, as the loader gives them) to every
         projection whose parts are all block-quantized alike; returns how many projections use them.
-        ``widened_dense``: the dense path will compute in float32 (``prepack_weights``), which moves
-        the crossovers (``WIDENED_INT4_MAX_ROWS``; Q8_0 blocks are then not used at all)."""
+        The rows up to which each kernel runs are ``plan``'s crossovers for this CPU family
+        (``int4_rows``, ``q8_0_rows``), or ``max_rows`` for both (default ``DEFAULT_MAX_ROWS``)."""
         ops, attached = self.layer_ops, 0
         self._stack_backend = False  # the stack holds the kernels: rebuild it on the next forward
 
@@ -173,10 +174,12 @@ class LlamaForCausalLM(nn.Module):
             nonlocal attached
             parts = [quantized.get(n) for n in names]
             blocks = BlockQuantized.cat(parts) if all(p is not None for p in parts) else None
+            if blocks is None:
+                return
             rows = max_rows
-            if blocks is not None and widened_dense:
-                rows = WIDENED_INT4_MAX_ROWS if blocks.bits == 4 else WIDENED_INT8_MAX_ROWS
-            kernel = None if blocks is None or rows == 0 else quantized_matmul(blocks, self.dtype, ops)
+            if rows is None:
+                rows = DEFAULT_MAX_ROWS if plan is None else plan.int4_rows if blocks.bits == 4 else plan.q8_0_rows
+            kernel = None if rows == 0 else quantized_matmul(blocks, self.dtype, ops)
             if kernel is not None:
                 linear.use_quantized(kernel, rows)
                 attached += 1

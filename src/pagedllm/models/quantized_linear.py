@@ -18,7 +18,9 @@ The dense weight itself is kept, in bfloat16 on CPU, in oneDNN's blocked layout 
 the same results as ``F.linear``, without oneDNN reordering the weight on every call. On a CPU
 without native bf16 dot products (``cpu_features.matmul_dtype``) the packed weight is float32
 instead: activations are widened (exact), multiplied in float32 and the result rounded back once,
-3-4x faster there than oneDNN's emulated bf16 GEMM.
+3-4x faster there than oneDNN's emulated bf16 GEMM; where oneDNN packs no float32 either, a plain
+float32 copy (MKL's sgemm). Which of these a CPU family runs, and up to how many rows each
+small-batch kernel does, is ``kernel_plan``'s choice; nothing here is tried and then caught.
 """
 
 from __future__ import annotations
@@ -27,21 +29,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm import cpu_features
 from pagedllm.models.gguf_quant import BlockQuantized
 
-# Crossover measured in the engine, where the weights stream from DRAM every step: decode at
-# batch 2 / 4 / 8 is 1.76x / 1.37x / 1.05x faster with the GGUF blocks than with the prepacked
-# dense weights (docs/benchmarks.md); hot-cache microbenchmarks favour the dense path sooner.
+# Rows up to which a small-batch kernel runs by default; each CPU family's own crossovers are in
+# ``kernel_plan`` (measured in the engine, where the weights stream from DRAM every step).
 DEFAULT_MAX_ROWS = 8
-# Where the dense GEMMs compute in float32 (a CPU without native bf16, ``cpu_features``), measured
-# with weights streaming from DRAM (30 layers of SmolLM2's projections, a one-off cold-cache script on
-# a Xeon without AVX512-BF16, docs/benchmarks.md): the
-# 4-bit kernel is faster up to 16 rows (34 vs 41 ms at 16, 80 vs 60 ms at 32), and the Q8_0 kernel
-# (no reuse across rows) never is (LM head: 8.9 vs 6.8 ms at 1 row, 69 vs 10 ms at 8).
-WIDENED_INT4_MAX_ROWS = 16
-WIDENED_INT8_MAX_ROWS = 0
-# ... and for a single row, the bf16 LM head (half float32's bytes) is faster than float32's.
-WIDENED_NATIVE_HEAD_MAX_ROWS = 1
 
 
 class Int4Matmul:
@@ -86,7 +79,7 @@ class NativePackedMatmul:
 def quantized_matmul(weight: BlockQuantized, dtype: torch.dtype, layer_ops):
     """The small-batch kernel for these blocks, or None when this machine has none for them."""
     if weight.bits == 4:
-        return Int4Matmul(weight, dtype)
+        return Int4Matmul(weight, dtype) if cpu_features.current().int4_matmul else None
     if hasattr(layer_ops, "q8_0_linear"):
         return Int8BlockMatmul(weight, layer_ops)
     return None
@@ -97,19 +90,21 @@ def prepack_for_onednn(weight: torch.Tensor, compute_dtype: torch.dtype | None =
     not apply. bfloat16 on CPU: there ``F.linear`` already runs oneDNN, so the results are
     identical (tested) and only the per-call weight reordering goes away (10-20% of each matmul
     at 1-64 rows, measured in docs/benchmarks.md); float32 weights keep MKL's sgemm, as HF does.
-    ``compute_dtype=float32`` packs a bf16/fp16 weight widened to float32 (see ``Linear.prepack``)."""
+    ``compute_dtype=float32`` packs a bf16/fp16 weight widened to float32 (see ``Linear.prepack``).
+    Where oneDNN does not pack that dtype on this CPU (``CpuFeatures.onednn_packs``: bf16 needs
+    AVX-512 or AVX-NE-CONVERT) it is not asked to."""
     if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return None
     if compute_dtype == torch.float32 and weight.dtype in (torch.bfloat16, torch.float16):
         weight = weight.float()
     elif weight.dtype != torch.bfloat16:
         return None
-    try:
-        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 64)  # 64: the batch it is tuned for
-    except RuntimeError:  # a CPU without the instructions oneDNN wants for this dtype
+    if not cpu_features.current().onednn_packs(weight.dtype):
         return None
+    return _REORDER(weight.detach(), 64)  # 64: the batch it is tuned for
 
 
+_REORDER = torch.ops.mkldnn._reorder_linear_weight
 _LINEAR_POINTWISE = torch.ops.mkldnn._linear_pointwise.default  # resolved once: called ~120 times a step
 
 
@@ -127,6 +122,7 @@ class Linear(nn.Linear):
     packed = None            # oneDNN layout of the dense weight; the dense Parameter is dropped then
     packed_bias = None       # the bias in the packed weight's dtype
     widen = None             # float32 when the packed weight computes in float32 for a bf16/fp16 model
+    wide_weight = None       # a plain float32 copy, where oneDNN packs no float32 weight (with packed_bias)
 
     def use_quantized(self, kernel, max_rows: int = DEFAULT_MAX_ROWS) -> None:
         self.small_batch, self.max_rows = kernel, max_rows
@@ -134,16 +130,23 @@ class Linear(nn.Linear):
 
     def prepack(self, compute_dtype: torch.dtype | None = None) -> bool:
         """Keep the weight only in oneDNN's layout; True if done. By default only where that gives
-        results identical to ``F.linear`` (bfloat16); ``compute_dtype=float32`` packs a bf16/fp16
-        weight as float32, for CPUs without native bf16/fp16 GEMMs (``cpu_features.matmul_dtype``):
-        the output is then rounded to the model dtype once, as a native kernel's would be."""
+        results identical to ``F.linear`` (bfloat16); ``compute_dtype=float32`` computes a bf16/fp16
+        layer in float32, for CPUs without native bf16/fp16 GEMMs (``cpu_features.matmul_dtype``):
+        the output is then rounded to the model dtype once, as a native kernel's would be. Where
+        oneDNN packs no float32 weight (a CPU without AVX2), the float32 copy stays a plain tensor
+        (MKL's sgemm), still faster than a GEMM that converts bf16 in its inner loop."""
         if self.weight is None:
             return False
         widen = compute_dtype == torch.float32 and self.weight.dtype in (torch.bfloat16, torch.float16)
         packed = prepack_for_onednn(self.weight, torch.float32 if widen else None)
-        if packed is None:
-            return False
         bias = None if self.bias is None else self.bias.detach()
+        if packed is None:
+            if not widen:
+                return False
+            self.wide_weight = self.weight.detach().float()
+            self.packed_bias = None if bias is None else bias.float()
+            self.weight, self.widen = None, torch.float32
+            return True
         self.packed, self.weight = packed, None
         self.packed_bias = bias.float() if widen and bias is not None else bias
         self.widen = torch.float32 if widen else None
@@ -154,6 +157,8 @@ class Linear(nn.Linear):
         if self.small_batch is not None and x.shape[0] <= self.max_rows:
             y = self.small_batch(x)
             return y if self.small_batch_bias is None else y + self.small_batch_bias
+        if self.wide_weight is not None:
+            return F.linear(x.to(self.widen), self.wide_weight, self.packed_bias).to(x.dtype)
         if self.packed is not None:
             if self.widen is not None:
                 return _LINEAR_POINTWISE(x.to(self.widen), self.packed, self.packed_bias, "none", [], "").to(x.dtype)

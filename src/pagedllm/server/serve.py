@@ -47,7 +47,7 @@ def startup_line(engine: Engine, url: str, model_name: str) -> str:
     return (f"pagedllm serving {model_name} at {url}/v1 | {engine.config.dtype}, quantization "
             f"{engine.config.quantization}, attention {engine.runner.backend.name} | KV pool {stats['num_blocks']} "
             f"blocks x {kv.block_size} tokens = {stats['num_blocks'] * kv.block_size} tokens, "
-            f"{stats['num_blocks'] * per_block / 2**20:.0f} MiB ({kv.layout})")
+            f"{stats['num_blocks'] * per_block / 2**20:.0f} MiB ({kv.layout}) | {engine.kernels_line()}")
 
 
 def serve(options: dict, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,

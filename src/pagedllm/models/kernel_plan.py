@@ -1,0 +1,81 @@
+"""Which matmul kernels a model runs on this CPU family: one plan, chosen from ``cpu_features``.
+
+A projection of a CPU model has a dense kernel (for prefill and big batches) and, with
+``quantization="gguf"``, a weight-only kernel over the GGUF's own blocks for steps of at most a
+few rows (``quantized_linear``). ``plan_kernels`` decides, from what the CPU has, never by
+trying and catching:
+
+- ``compute``: the dtype the dense GEMMs run in (``cpu_features.matmul_dtype``): float32 for a
+  bf16/fp16 model on a CPU without native bf16/fp16 dot products (3-4x faster than oneDNN's
+  emulated bf16 GEMM there);
+- ``pack``: whether the dense weights are kept in oneDNN's blocked layout (only where oneDNN packs
+  that dtype on this CPU; float32 models keep MKL's sgemm on the plain weight, as HF does);
+- ``int4_rows`` / ``q8_0_rows``: up to how many rows the 4-bit and Q8_0 kernels beat the dense
+  GEMM, per family (measured with ``pagedllm bench matmul``; docs/benchmarks.md);
+- ``head``: what a 1-row LM head runs where the Q8_0 kernel does not: the bf16 weight packed
+  natively (AVX-512 without BF16: half float32's bytes), else the dense kernel.
+
+The crossovers, measured with weights streaming from DRAM as in the engine:
+AVX-512 with BF16/AMX (bf16 GEMMs): 4-bit and Q8_0 up to 8 rows (decode at batch 2/4/8 1.76x /
+1.37x / 1.05x faster than the prepacked bf16 weights). AVX-512 without BF16 (float32 GEMMs): the
+4-bit kernel up to 16 rows (34 vs 41 ms at 16, 80 vs 60 ms at 32 over 30 layers), the Q8_0 head
+never (8.9 vs 6.8 ms at 1 row) but the natively packed bf16 head at 1 row (4.6 vs 6.2 ms).
+AVX2 without AVX-512 (float32 GEMMs; AMD EPYC 7B13, 2 cores): the 4-bit kernel up to 8 rows
+(per layer 1.33 vs 1.15 ms at 8, 2.94 vs 1.69 at 16), the Q8_0 head up to 16 rows (2.6 vs 9.8 ms at
+1 row, 6.7 vs 12.5 at 8); oneDNN packs no bf16 there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedllm.cpu_features import CpuFeatures, matmul_dtype_for
+
+HEADS = ("q8_0", "native_packed", "dense")
+
+
+@dataclass(frozen=True)
+class KernelPlan:
+    family: str
+    dtype: torch.dtype           # the model's dtype
+    compute: torch.dtype         # the dense GEMMs' dtype
+    pack: bool                   # dense weights in oneDNN's layout
+    int4_rows: int               # 4-bit blocks for steps of at most this many rows (0: never)
+    q8_0_rows: int               # Q8_0 blocks likewise
+    native_head_rows: int        # a bf16-packed head for steps up to this many rows (where no Q8_0 head)
+
+    def __post_init__(self) -> None:
+        if min(self.int4_rows, self.q8_0_rows, self.native_head_rows) < 0:
+            raise ValueError("row crossovers must be >= 0")
+
+    @property
+    def widened(self) -> bool:
+        """bf16/fp16 weights whose dense GEMMs compute in float32."""
+        return self.compute == torch.float32 and self.dtype != torch.float32
+
+    def describe(self) -> str:
+        """``float32 GEMMs (widened), oneDNN-packed; GGUF blocks: int4 <= 8 rows, Q8_0 <= 16 rows``."""
+        name = {torch.float32: "float32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+        dense = f"{name[self.compute]} GEMMs" + (" (widened)" if self.widened else "")
+        dense += ", oneDNN-packed" if self.pack else ", plain weights"
+        small = [f"{kind} <= {rows} rows" for kind, rows in
+                 (("int4", self.int4_rows), ("Q8_0", self.q8_0_rows), ("bf16 head", self.native_head_rows)) if rows]
+        return dense + (f"; small steps: {', '.join(small)}" if small else "")
+
+
+def plan_kernels(cpu: CpuFeatures, dtype: torch.dtype) -> KernelPlan:
+    """The kernels a ``dtype`` model runs on ``cpu`` (see the module docstring for the figures)."""
+    compute = matmul_dtype_for(cpu, dtype)
+    widened = compute == torch.float32 and dtype != torch.float32
+    # float32 models keep MKL's sgemm on the plain weight; fp16 ones are packed only when widened
+    pack = cpu.onednn_packs(torch.float32) if widened else dtype == torch.bfloat16 and cpu.onednn_packs(dtype)
+    if not widened:
+        int4_rows, q8_0_rows, native_head = 8, 8, 0
+    elif cpu.avx512:
+        int4_rows, q8_0_rows = 16, 0
+        native_head = 1 if cpu.onednn_packs(dtype) else 0
+    else:  # AVX2 (and anything narrower): the Q8_0 head streams a quarter of float32's bytes
+        int4_rows, q8_0_rows, native_head = 8, 16, 0
+    return KernelPlan(cpu.family, dtype, compute, pack, int4_rows, q8_0_rows, native_head)
