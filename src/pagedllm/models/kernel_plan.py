@@ -22,7 +22,9 @@ AVX-512 with BF16/AMX (bf16 GEMMs): 4-bit and Q8_0 up to 8 rows (decode at batch
 never (8.9 vs 6.8 ms at 1 row) but the natively packed bf16 head at 1 row (4.6 vs 6.2 ms).
 AVX2 without AVX-512 (float32 GEMMs; AMD EPYC 7B13, 2 cores): the 4-bit kernel up to 8 rows
 (per layer 1.33 vs 1.15 ms at 8, 2.94 vs 1.69 at 16), the Q8_0 head up to 16 rows (2.6 vs 9.8 ms at
-1 row, 6.7 vs 12.5 at 8); oneDNN packs no bf16 there.
+1 row, 6.7 vs 12.5 at 8); oneDNN packs no bf16 there. A float32 model there never runs the 4-bit
+kernel: with float32 activations torch's int4 matmul is 7x slower than the dense GEMM.
+The float32 crossovers on AVX-512 (8 rows) are those of the first engine, not re-measured.
 """
 
 from __future__ import annotations
@@ -71,7 +73,11 @@ def plan_kernels(cpu: CpuFeatures, dtype: torch.dtype) -> KernelPlan:
     widened = compute == torch.float32 and dtype != torch.float32
     # float32 models keep MKL's sgemm on the plain weight; fp16 ones are packed only when widened
     pack = cpu.onednn_packs(torch.float32) if widened else dtype == torch.bfloat16 and cpu.onednn_packs(dtype)
-    if not widened:
+    if dtype == torch.float32 and not cpu.avx512:
+        # torch's int4 kernel with float32 activations has no fast AVX2 body: 2.15 ms for gate_up at
+        # 1 row against 0.15 with bf16 ones and 0.29 for the dense float32 GEMM
+        int4_rows, q8_0_rows, native_head = 0, 16, 0
+    elif not widened:
         int4_rows, q8_0_rows, native_head = 8, 8, 0
     elif cpu.avx512:
         int4_rows, q8_0_rows = 16, 0
