@@ -159,6 +159,41 @@ inline void store16(c10::Half* p, __m512 x) {
 
 #endif
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// The same on 8 lanes, for AVX2 (16-float vectors go through the stack there, cpu_vec.h).
+inline __m256 exp8(__m256 x) {
+  const __m256 overflow = _mm256_cmp_ps(x, _mm256_set1_ps(kExpOverflow), _CMP_GT_OQ);
+  return _mm256_blendv_ps(exp_poly8(x), _mm256_set1_ps(std::numeric_limits<float>::infinity()), overflow);
+}
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline __m256 load8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline __m256i bf16_bits8(__m256 x) {  // round to nearest even in the top 16 bits; NaN -> quiet NaN
+  const __m256i b = _mm256_castps_si256(x);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(b, _mm256_set1_epi32(0x7fff)), lsb), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+  return _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7fc0), nan);
+}
+inline __m256 round8(__m256 x, const float*) { return x; }
+inline __m256 round8(__m256 x, const c10::BFloat16*) { return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits8(x), 16)); }
+inline __m256 round8(__m256 x, const c10::Half*) {
+  return _mm256_cvtph_ps(_mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+inline void store8(float* p, __m256 x) { _mm256_storeu_ps(p, x); }
+inline void store8(c10::BFloat16* p, __m256 x) {
+  const __m256i bits = bf16_bits8(x);  // 8 x 32-bit lanes holding 16-bit values -> 8 x 16 bits
+  const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+}
+inline void store8(c10::Half* p, __m256 x) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+#endif
+
 // In and Out are T, or float32 holding values to be rounded to T / already rounded to T (see norm_row).
 template <typename T, typename In = T, typename Out = T>
 void silu_mul_row(const In* gate, const In* up, Out* out, int64_t I) {
@@ -179,6 +214,25 @@ void silu_mul_row(const In* gate, const In* up, Out* out, int64_t I) {
         store16(out + i, product);
       } else {
         store16(out + i, round16(product, tag));
+      }
+    }
+  }
+#elif defined(__AVX2__)
+  if constexpr (!std::is_same_v<T, double>) {
+    const T* tag = nullptr;  // round8's precision
+    for (; i + 8 <= I; i += 8) {
+      __m256 x = load8(gate + i), u = load8(up + i);
+      if constexpr (!std::is_same_v<In, T>) {
+        x = round8(x, tag);
+        u = round8(u, tag);
+      }
+      const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), x));
+      const __m256 silu = _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+      const __m256 product = _mm256_mul_ps(round8(silu, tag), u);
+      if constexpr (std::is_same_v<Out, T>) {
+        store8(out + i, product);
+      } else {
+        store8(out + i, round8(product, tag));
       }
     }
   }

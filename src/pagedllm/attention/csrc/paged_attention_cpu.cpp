@@ -63,7 +63,18 @@ struct Tile {
   int64_t q_end;
 };
 
+// Register tiles: AVX-512 has 32 16-float registers, AVX2 16 8-float ones (each 16-float vector
+// takes two): there an 8-row x 32-key Q K^T tile (32 halves of accumulators) and a 4-row x D P V
+// tile spilled to the stack on every FMA.
+#ifdef __AVX512F__
 constexpr int kScoreRows = 8;   // rows of one Q K^T micro-tile (x 16 keys)
+constexpr bool kScorePairs = true;  // 32 keys per micro-tile (two accumulators per row)
+constexpr int kPvRowsMax = 16;      // P V micro-tile rows: at most 16 / (D / 16)
+#else
+constexpr int kScoreRows = 4;
+constexpr bool kScorePairs = false;
+constexpr int kPvRowsMax = 1;
+#endif
 constexpr int kKeyChunk = 64;   // keys per online-softmax step of the tiled path
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
@@ -134,6 +145,37 @@ struct TiledScratch {
 // One row's online-softmax step over a block's scores sr[0..n) of which the first `visible` count:
 // they become p = exp(s - m_new) (0 for the rest); returns alpha = exp(m_old - m_new).
 inline float softmax_step(float* sr, int64_t n, int64_t visible, float& m, float& l) {
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  // the same step on 8-float registers (cpu_vec.h: 16-float selects go through the stack on AVX2)
+  const __m256 iota = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256 neg_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m256 limit = _mm256_set1_ps(static_cast<float>(visible));
+  __m256 vmax = neg_inf;
+  for (int64_t jc = 0; jc < n; jc += 8) {
+    __m256 x = _mm256_loadu_ps(sr + jc);
+    if (jc + 8 > visible) {
+      x = _mm256_blendv_ps(neg_inf, x, _mm256_cmp_ps(_mm256_add_ps(iota, _mm256_set1_ps(static_cast<float>(jc))),
+                                                     limit, _CMP_LT_OQ));
+    }
+    vmax = _mm256_max_ps(vmax, x);
+  }
+  const float m_new = std::max(m, hmax8(vmax));
+  const float alpha = std::isinf(m) ? 0.f : exp_nonpositive(m - m_new);
+  const __m256 shift = _mm256_set1_ps(m_new);
+  __m256 sum = _mm256_setzero_ps();
+  for (int64_t jc = 0; jc < n; jc += 8) {
+    __m256 p = exp_poly8(_mm256_sub_ps(_mm256_loadu_ps(sr + jc), shift));
+    if (jc + 8 > visible) {
+      p = _mm256_blendv_ps(_mm256_setzero_ps(), p, _mm256_cmp_ps(_mm256_add_ps(iota, _mm256_set1_ps(static_cast<float>(jc))),
+                                                                limit, _CMP_LT_OQ));
+    }
+    _mm256_storeu_ps(sr + jc, p);
+    sum = _mm256_add_ps(sum, p);
+  }
+  l = l * alpha + hsum8(sum);
+  m = m_new;
+  return alpha;
+#else
   const v16 iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   const float neg_inf = -std::numeric_limits<float>::infinity();
   // lanes at or past `visible` are masked: only in the vector that holds it (a row's diagonal, or a
@@ -156,6 +198,7 @@ inline float softmax_step(float* sr, int64_t n, int64_t visible, float& m, float
   l = l * alpha + hsum(sum);
   m = m_new;
   return alpha;
+#endif
 }
 
 // One (query tile, kv head) item by small GEMMs over a converted sequence, kKeyChunk keys at a
@@ -165,7 +208,7 @@ template <typename T, int kD>
 void attend_tile_gemm(const T* q, T* out, int64_t seq, int64_t q_begin, int64_t nq, int64_t first_pos, int64_t H,
                       int64_t G, int64_t kh, float scale, const ConvertedSeqs& keys, TiledScratch& s) {
   constexpr int NV = kD / 16;                     // head dim in 16-float vectors
-  constexpr int kPvRows = NV >= 16 ? 1 : 16 / NV;  // P V micro-tile: kPvRows x kD accumulators
+  constexpr int kPvRows = NV >= 16 ? 1 : std::min(kPvRowsMax, 16 / NV);  // P V micro-tile: kPvRows x kD accumulators
   static_assert(kScoreRows % kPvRows == 0, "P V row groups must tile the score row groups");
   constexpr int64_t KP = kKeyChunk;
   const float* kt_all = keys.k_of(seq, kh);
@@ -198,7 +241,7 @@ void attend_tile_gemm(const T* q, T* out, int64_t seq, int64_t q_begin, int64_t 
     for (int64_t r = r0; r < rows_pad; r += kScoreRows) {
       const float* qr = qf + r * kD;
       int64_t jc = 0;
-      for (; jc + 32 <= n; jc += 32) {
+      for (; kScorePairs && jc + 32 <= n; jc += 32) {
         v16 a[kScoreRows] = {}, b[kScoreRows] = {};
         const float* k0 = kt + jc * kD;
         for (int d = 0; d < kD; ++d) {
@@ -216,12 +259,31 @@ void attend_tile_gemm(const T* q, T* out, int64_t seq, int64_t q_begin, int64_t 
         }
       }
       for (; jc < n; jc += 16) {
+#if defined(__AVX2__) && !defined(__AVX512F__)
+        // 8-float registers (cpu_vec.h): kScoreRows x 16 keys in 2 x kScoreRows accumulators
+        __m256 lo[kScoreRows], hi[kScoreRows];
+        for (int rr = 0; rr < kScoreRows; ++rr) lo[rr] = hi[rr] = _mm256_setzero_ps();
+        const float* k0 = kt + jc * kD;
+        for (int d = 0; d < kD; ++d) {
+          const __m256 k_lo = _mm256_loadu_ps(k0 + d * 16), k_hi = _mm256_loadu_ps(k0 + d * 16 + 8);
+          for (int rr = 0; rr < kScoreRows; ++rr) {
+            const __m256 x = _mm256_broadcast_ss(qr + rr * kD + d);
+            lo[rr] = _mm256_fmadd_ps(x, k_lo, lo[rr]);
+            hi[rr] = _mm256_fmadd_ps(x, k_hi, hi[rr]);
+          }
+        }
+        for (int rr = 0; rr < kScoreRows; ++rr) {
+          _mm256_storeu_ps(sc + (r + rr) * KP + jc, lo[rr]);
+          _mm256_storeu_ps(sc + (r + rr) * KP + jc + 8, hi[rr]);
+        }
+#else
         v16 a[kScoreRows] = {};
         for (int d = 0; d < kD; ++d) {
           const v16 kv = *reinterpret_cast<const v16*>(kt + jc * kD + d * 16);
           for (int rr = 0; rr < kScoreRows; ++rr) a[rr] += qr[rr * kD + d] * kv;
         }
         for (int rr = 0; rr < kScoreRows; ++rr) *reinterpret_cast<v16*>(sc + (r + rr) * KP + jc) = a[rr];
+#endif
       }
     }
     // online softmax per row; masked keys (and rows that see none) get p = 0, alpha = 1
@@ -236,6 +298,22 @@ void attend_tile_gemm(const T* q, T* out, int64_t seq, int64_t q_begin, int64_t 
       s.alpha[r] = softmax_step(sr, n, visible, s.m[r], s.l[r]);
     }
     // acc = alpha * acc + P V: kPvRows rows x kD, the accumulators stay in registers over the chunk
+#if defined(__AVX2__) && !defined(__AVX512F__)
+    for (int64_t r = r0; r < rows_pad; ++r) {  // one row: kD / 8 accumulators
+      constexpr int NA = kD / 8;
+      __m256 a[NA];
+      const __m256 alpha = _mm256_set1_ps(s.alpha[r]);
+      float* ar = acc + r * kD;
+      for (int v = 0; v < NA; ++v) a[v] = _mm256_mul_ps(_mm256_loadu_ps(ar + 8 * v), alpha);
+      const float* pr = sc + r * KP;
+      for (int64_t j = 0; j < n; ++j) {
+        const __m256 p = _mm256_broadcast_ss(pr + j);
+        const float* vr = vf + j * kD;
+        for (int v = 0; v < NA; ++v) a[v] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + 8 * v), a[v]);
+      }
+      for (int v = 0; v < NA; ++v) _mm256_storeu_ps(ar + 8 * v, a[v]);
+    }
+#else
     for (int64_t r = r0; r < rows_pad; r += kPvRows) {
       v16 a[kPvRows][NV];
       for (int rr = 0; rr < kPvRows; ++rr)
@@ -251,6 +329,7 @@ void attend_tile_gemm(const T* q, T* out, int64_t seq, int64_t q_begin, int64_t 
       for (int rr = 0; rr < kPvRows; ++rr)
         for (int v = 0; v < NV; ++v) *reinterpret_cast<v16*>(acc + (r + rr) * kD + 16 * v) = a[rr][v];
     }
+#endif
   }
   for (int64_t r = 0; r < rows; ++r) {
     const float inv = 1.f / s.l[r];
@@ -403,6 +482,20 @@ void attention_kernel(const T* q, const T* kc, const T* vc, T* out, const int64_
             }
             const float alpha = softmax_step(sc, visible, visible, m[r], l[r]);
             float* ar = &acc[r * kD];
+#if defined(__AVX2__) && !defined(__AVX512F__)
+            {  // P V on 8-float registers (cpu_vec.h): kD / 8 accumulators
+              constexpr int NA = kD / 8;
+              __m256 a8[NA];
+              const __m256 alpha8 = _mm256_set1_ps(alpha);
+              for (int v = 0; v < NA; ++v) a8[v] = _mm256_mul_ps(_mm256_loadu_ps(ar + 8 * v), alpha8);
+              for (int64_t j = 0; j < visible; ++j) {
+                const __m256 p = _mm256_broadcast_ss(sc + j);
+                const float* vr = &vf[j * kD];
+                for (int v = 0; v < NA; ++v) a8[v] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + 8 * v), a8[v]);
+              }
+              for (int v = 0; v < NA; ++v) _mm256_storeu_ps(ar + 8 * v, a8[v]);
+            }
+#else
             v16 a[NV];
             for (int v = 0; v < NV; ++v) a[v] = *reinterpret_cast<const v16*>(ar + 16 * v) * alpha;
             for (int64_t j = 0; j < visible; ++j) {
@@ -411,6 +504,7 @@ void attention_kernel(const T* q, const T* kc, const T* vc, T* out, const int64_
               for (int v = 0; v < NV; ++v) a[v] += p * vr[v];
             }
             for (int v = 0; v < NV; ++v) *reinterpret_cast<v16*>(ar + 16 * v) = a[v];
+#endif
             continue;
           } else {
             for (int64_t j = 0; j < visible; ++j) {
