@@ -12,11 +12,10 @@ encoding (on the event loop, not the engine thread), and the same for an idle po
 from __future__ import annotations
 
 import json
-import statistics
 import sys
-import time
 from types import SimpleNamespace
 
+from pagedllm.bench.timers import median_ms
 from pagedllm.kvcache.manager import KVCacheManager
 from pagedllm.server.dashboard import dashboard_state
 
@@ -56,26 +55,19 @@ def fake_engine(kv: KVCacheManager, running_ids: list[str]) -> SimpleNamespace:
     return SimpleNamespace(kv_manager=kv, scheduler=sched, num_steps=1)
 
 
-def median_ms(fn, repeat: int = 30) -> float:
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
-
-
 def main(sizes: list[int]) -> None:
     for n in sizes:
         kv, running = busy_manager(n)
         engine = fake_engine(kv, running)
         state = dashboard_state(engine)
-        print(f"{n:>6} blocks, full ({state['counts']}): state {median_ms(lambda e=engine: dashboard_state(e)):.2f} ms "
-              f"on the engine thread, JSON {median_ms(lambda s=state: json.dumps(s)):.2f} ms "
+        state_ms = median_ms(lambda e=engine: dashboard_state(e), 30, warmup=False)
+        json_ms = median_ms(lambda s=state: json.dumps(s), 30, warmup=False)
+        print(f"{n:>6} blocks, full ({state['counts']}): state {state_ms:.2f} ms "
+              f"on the engine thread, JSON {json_ms:.2f} ms "
               f"({len(json.dumps(state)) / 1024:.0f} KiB) on the event loop")
         idle = fake_engine(KVCacheManager(n, BLOCK_SIZE), [])
         idle.scheduler.waiting = []
-        print(f"{n:>6} blocks, idle: state {median_ms(lambda e=idle: dashboard_state(e)):.2f} ms")
+        print(f"{n:>6} blocks, idle: state {median_ms(lambda e=idle: dashboard_state(e), 30, warmup=False):.2f} ms")
 
 
 if __name__ == "__main__":

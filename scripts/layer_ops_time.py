@@ -7,29 +7,18 @@
 
 from __future__ import annotations
 
-import statistics
 import sys
-import time
 from functools import partial
 
 import torch
 
 from pagedllm import cpu_features
+from pagedllm.bench.timers import median_ms
 from pagedllm.models.layer_ops import TorchLayerOps, get_layer_ops
 
 
 def add_norm(ops, x, residual, weight):
     return ops.add_rms_norm(x, residual.clone(), weight, 1e-5)  # the C++ op updates its residual in place
-
-
-def median_ms(fn, repeats: int = 10) -> float:
-    fn()
-    samples = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t0)
-    return 1000 * statistics.median(samples)
 
 
 def main(rows_list: list[int]) -> None:
@@ -39,9 +28,9 @@ def main(rows_list: list[int]) -> None:
         for rows in rows_list:
             gate_up = torch.randn(rows, 3072).to(dtype)
             x, residual, weight = (torch.randn(*shape).to(dtype) for shape in ((rows, 576), (rows, 576), (576,)))
-            silu = (median_ms(partial(ops.silu_mul, gate_up)), median_ms(partial(reference.silu_mul, gate_up)))
-            norm = (median_ms(partial(add_norm, ops, x, residual, weight)),
-                    median_ms(partial(add_norm, reference, x, residual, weight)))
+            silu = (median_ms(partial(ops.silu_mul, gate_up), 10), median_ms(partial(reference.silu_mul, gate_up), 10))
+            norm = (median_ms(partial(add_norm, ops, x, residual, weight), 10),
+                    median_ms(partial(add_norm, reference, x, residual, weight), 10))
             print(f"{str(dtype):<15} rows={rows:<5} silu_mul ours {silu[0]:.3f} ms, torch {silu[1]:.3f} ms; "
                   f"add_rms_norm ours {norm[0]:.3f} ms, torch {norm[1]:.3f} ms")
 

@@ -17,22 +17,12 @@ the real ones, so the quantized kernels see their real block layout. Medians of 
 from __future__ import annotations
 
 import json
-import statistics
-import time
 from functools import partial
 
 import torch
 import torch.nn.functional as F
 
-
-def _median_ms(fn, repeats: int) -> float:
-    fn()
-    samples = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t0)
-    return 1000 * statistics.median(samples)
+from pagedllm.bench.timers import median_ms
 
 
 def _widened(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
@@ -85,14 +75,14 @@ def main(args) -> dict:
         per_rows = {}
         for rows in rows_list:
             x = torch.randn(rows, dense.shape[1], generator=gen).bfloat16()
-            t = {"dense": _median_ms(partial(F.linear, x, dense), args.repeats)}
+            t = {"dense": median_ms(partial(F.linear, x, dense), args.repeats)}
             if packed is not None:
-                t["prepacked"] = _median_ms(partial(onednn_linear, x, packed, None), args.repeats)
-            t["plain_fp32"] = _median_ms(partial(_plain_widened, x, dense32), args.repeats)
+                t["prepacked"] = median_ms(partial(onednn_linear, x, packed, None), args.repeats)
+            t["plain_fp32"] = median_ms(partial(_plain_widened, x, dense32), args.repeats)
             if packed32 is not None:
-                t["prepacked_fp32"] = _median_ms(partial(_widened, x, packed32), args.repeats)
+                t["prepacked_fp32"] = median_ms(partial(_widened, x, packed32), args.repeats)
             if kernel is not None:
-                t["gguf_blocks"] = _median_ms(partial(kernel, x), args.repeats)
+                t["gguf_blocks"] = median_ms(partial(kernel, x), args.repeats)
             per_rows[rows] = t
             print(f"{name:<8} {tuple(dense.shape)!s:<14} rows={rows:<4} "
                   + "  ".join(f"{k}={v:.3f}ms" for k, v in t.items()))
