@@ -35,8 +35,6 @@ import torch
 
 from pagedllm.cpu_features import CpuFeatures, matmul_dtype_for
 
-HEADS = ("q8_0", "native_packed", "dense")
-
 
 @dataclass(frozen=True)
 class KernelPlan:
@@ -75,7 +73,8 @@ def plan_kernels(cpu: CpuFeatures, dtype: torch.dtype) -> KernelPlan:
     pack = cpu.onednn_packs(torch.float32) if widened else dtype == torch.bfloat16 and cpu.onednn_packs(dtype)
     if dtype == torch.float32 and not cpu.avx512:
         # torch's int4 kernel with float32 activations has no fast AVX2 body: 2.15 ms for gate_up at
-        # 1 row against 0.15 with bf16 ones and 0.29 for the dense float32 GEMM
+        # 1 row against 0.15 with bf16 ones and 0.29 for the dense float32 GEMM (a one-off timing loop
+        # on the AVX2 EPYC; bench matmul times the kernels with bf16 activations only)
         int4_rows, q8_0_rows, native_head = 0, 16, 0
     elif not widened:
         int4_rows, q8_0_rows, native_head = 8, 8, 0

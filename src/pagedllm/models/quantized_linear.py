@@ -157,10 +157,10 @@ class Linear(nn.Linear):
         if self.small_batch is not None and x.shape[0] <= self.max_rows:
             y = self.small_batch(x)
             return y if self.small_batch_bias is None else y + self.small_batch_bias
-        if self.wide_weight is not None:
-            return F.linear(x.to(self.widen), self.wide_weight, self.packed_bias).to(x.dtype)
         if self.packed is not None:
             if self.widen is not None:
                 return _LINEAR_POINTWISE(x.to(self.widen), self.packed, self.packed_bias, "none", [], "").to(x.dtype)
             return _LINEAR_POINTWISE(x, self.packed, self.packed_bias, "none", [], "")
+        if self.wide_weight is not None:  # after the packed path: no extra check on the common one
+            return F.linear(x.to(self.widen), self.wide_weight, self.packed_bias).to(x.dtype)
         return F.linear(x, self.weight, self.bias)
