@@ -17,6 +17,14 @@ GPU_TARGET     := --python-version 3.12 --platform manylinux2014_x86_64 --only-b
 # transformers), on an HF folder written from the embedded GGUF (vLLM reads no GGUF here).
 PEERS  := .venv-peers
 HF_DIR := .peers/SmolLM2-135M-Instruct
+# The second peer, llama.cpp (llama-cpp-python, with its OpenAI server), in a venv of its own,
+# compiled for this CPU (about 15 minutes on 2 cores). Its native build has crashed in the AMX
+# matmul on AMX machines, so there it is built for AVX-512 (with VNNI and BF16) without AMX.
+LLAMACPP := .venv-llamacpp
+LLAMACPP_CMAKE := $(if $(shell grep -m1 -ow amx_tile /proc/cpuinfo 2>/dev/null),\
+  -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON \
+  -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF \
+  -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF,-DGGML_NATIVE=ON)
 
 .PHONY: run test lint bench clean gpu-wheels peers
 
@@ -71,6 +79,11 @@ peers: $(STAMP)
 	$(PEERS)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec
 	test -f $(HF_DIR)/config.json || $(PY) scripts/export_hf.py $(HF_DIR)
 	$(PEERS)/bin/python -c "import vllm; print('vllm', vllm.__version__, 'in $(PEERS)')"
+	test -x $(LLAMACPP)/bin/python || python3 -m venv $(LLAMACPP)
+	$(LLAMACPP)/bin/python -m pip install -q --upgrade pip
+	$(LLAMACPP)/bin/python -c "import llama_cpp" 2>/dev/null || CMAKE_ARGS="$(LLAMACPP_CMAKE)" \
+	  CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(LLAMACPP)/bin/python -m pip install -q 'llama-cpp-python[server]==0.3.36'
+	$(LLAMACPP)/bin/python -c "import llama_cpp; print('llama-cpp-python', llama_cpp.__version__, 'in $(LLAMACPP)')"
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache $(GPU_WHEELS) .gpu-site

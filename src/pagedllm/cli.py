@@ -446,7 +446,11 @@ def make_parser() -> argparse.ArgumentParser:
                     help="requests per second, Poisson arrivals (default inf: all at once)")
     sv.add_argument("--server-pid", type=int, default=None, help="also report this local process's CPU time")
     sv.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
-    pe = bench_parser("peers", "pagedllm against vLLM's CPU build, offline, same prompts, alternating runs", "peers")
+    sv.add_argument("--logit-bias", default=None,
+                    help='JSON token id -> bias sent with every request, e.g. \'{"2": -100}\' to keep a server '
+                         "without ignore_eos (llama.cpp's) from stopping early")
+    pe = bench_parser("peers", "pagedllm against vLLM's CPU build and llama.cpp, offline, same prompts, "
+                               "alternating runs", "peers")
     pe.add_argument("--concurrency", default="1,8,32,64", help="decode workloads: concurrent requests, comma-separated")
     pe.add_argument("--prefill", default="32x128,64x128,32x512,8x1024,4x2048",
                     help="prefill workloads: NxL (N prompts of L tokens, max_tokens 1), comma-separated")
@@ -455,8 +459,18 @@ def make_parser() -> argparse.ArgumentParser:
     pe.add_argument("--trace", default=None, help="a JSONL trace instead of the workloads above: its requests all "
                                                   "at once, each with its output length")
     pe.add_argument("--rounds", type=int, default=3)
-    pe.add_argument("--peer-python", default=".venv-peers/bin/python", help="the peer venv's Python (make peers)")
+    pe.add_argument("--peer", default="vllm", help="the peers, comma-separated: vllm, llama.cpp")
+    pe.add_argument("--peer-dtype", default="bfloat16,float32",
+                    help="vLLM's dtypes to try, comma-separated; the faster counts per workload")
+    pe.add_argument("--peer-drop", type=float, default=2.0,
+                    help="after round 1, stop running a peer setting this many times slower than that peer's "
+                         "fastest on a workload (0: run all every round)")
+    pe.add_argument("--peer-python", default=".venv-peers/bin/python", help="the vLLM venv's Python (make peers)")
     pe.add_argument("--peer-model", default=".peers/SmolLM2-135M-Instruct", help="the HF folder make peers writes")
+    pe.add_argument("--llamacpp-python", default=".venv-llamacpp/bin/python",
+                    help="the llama.cpp venv's Python (make peers)")
+    pe.add_argument("--llamacpp-model", default=None,
+                    help="the GGUF llama.cpp runs (default: the --model file when it is a GGUF)")
     pe.add_argument("--peer-worker", default=None, help=argparse.SUPPRESS)  # tests: a stand-in worker script
     pe.add_argument("--no-progress", action="store_true")
     cp = bench_parser("compare", "paged vs contiguous KV (prefix caching on and off) on a trace, one KV budget, "

@@ -19,7 +19,7 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.cpu_features import matmul_dtype
 from pagedllm.models import decoder_stack
 from pagedllm.models.gguf_quant import decode_blocks
-from pagedllm.models.quantized_linear import Int4Matmul, Int8BlockMatmul, NativePackedMatmul
+from pagedllm.models.quantized_linear import Int4BlockMatmul, Int4Matmul, Int8BlockMatmul, NativePackedMatmul
 from tests.conftest import force_cpu_family, make_tiny_checkpoint
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=3)
@@ -78,8 +78,8 @@ def gguf_blocks(folder: str, kind: str) -> dict:
     ("qwen2", "bfloat16", None, False),    # prepacked oneDNN weights (widened where the CPU lacks bf16), q/k/v bias
     ("qwen2", "bfloat16", None, True),     # bf16 packed as bf16: the path of a CPU with AVX512-BF16 or AMX
     ("llama", "float16", None, False),     # float16 rounding between the ops (widened where the CPU lacks fp16 GEMMs)
-    ("qwen2", "float32", "Q4_1", False),   # torch's 4-bit kernel for small steps, with the bias added after it
-    ("llama", "bfloat16", "Q4_0", True),
+    ("qwen2", "float32", "Q4_1", False),   # our C++ 4-bit kernel for small steps, with the bias added after it
+    ("llama", "bfloat16", "Q4_0", True),   # torch's 4-bit kernel
     ("llama", "bfloat16", "Q8_0", False),  # our Q8_0 kernel (attached even where its crossover is 0 rows)
 ])
 def test_tiny_checkpoints_equal_the_python_loop(tmp_path, monkeypatch, arch, dtype, kind, native_bf16):
@@ -97,11 +97,14 @@ def test_tiny_checkpoints_equal_the_python_loop(tmp_path, monkeypatch, arch, dty
     if kind is not None:
         llm.generate([{"prompt_token_ids": [5]}], PARAMS, use_tqdm=False)  # builds the stack before the change
         model = llm.engine.runner.model
-        assert model.use_gguf_quantized(gguf_blocks(folder, kind), max_rows=8) == 4 * model.config.num_layers
+        int4_kernel = "cpp" if kind == "Q4_1" else "torch"
+        assert model.use_gguf_quantized(gguf_blocks(folder, kind), max_rows=8,
+                                        int4_kernel=int4_kernel) == 4 * model.config.num_layers
         # the stack must be rebuilt with the new kernels: a stale one would decode with the dense
         # weights, whose logprobs differ from the quantized ones the Python loop uses
         kernel = model.layers[0].mlp.down_proj.small_batch
-        assert isinstance(kernel, Int8BlockMatmul if kind == "Q8_0" else Int4Matmul)
+        expected = {"Q8_0": Int8BlockMatmul, "Q4_1": Int4BlockMatmul, "Q4_0": Int4Matmul}[kind]
+        assert isinstance(kernel, expected)
     assert_stack_equals_python_loop(llm, prompts)
 
 
@@ -109,7 +112,8 @@ def test_default_model_in_bf16_with_its_gguf_blocks_equals_the_python_loop():
     """The engine's own configuration: 4-bit blocks for decode steps, prepacked dense GEMMs for prefill."""
     llm = LLM(dtype="bfloat16", kv_cache_memory="64MiB", enable_prefix_caching=False)
     assert llm.engine.config.quantization == "gguf"
-    assert isinstance(llm.engine.runner.model.layers[0].self_attn.qkv_proj.small_batch, Int4Matmul)
+    int4 = Int4BlockMatmul if llm.engine.kernel_plan.int4_kernel == "cpp" else Int4Matmul
+    assert isinstance(llm.engine.runner.model.layers[0].self_attn.qkv_proj.small_batch, int4)
     assert_stack_equals_python_loop(llm, prompts_for(llm.engine.config.model.vocab_size, (3, 20, 40)))
 
 

@@ -10,7 +10,7 @@ import math
 import httpx
 import pytest
 
-from pagedllm.bench.serve_bench import ServeBenchConfig, arrival_offsets, run
+from pagedllm.bench.serve_bench import ServeBenchConfig, arrival_offsets, parse_logit_bias, run
 from pagedllm.bench.text_workload import text_workload
 from pagedllm.cli import main as cli_main
 from tests.server.conftest import free_port
@@ -226,6 +226,36 @@ def test_an_error_chunk_mid_stream_fails_the_request():
 def test_a_stream_cut_before_its_finish_reason_fails_the_request():
     report = scripted_run(_sse(_chat_chunk({"content": "a"})))
     assert report["failed"] == 2 and report["errors"] == {"RuntimeError: the stream ended without a finish reason": 2}
+
+
+def test_a_server_without_usage_or_ignore_eos_is_counted_by_chunks_and_gets_the_logit_bias():
+    """llama.cpp's server: no usage in the stream, no ignore_eos; --logit-bias goes with every request."""
+    sent = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path.endswith("/models"):
+            return httpx.Response(200, json={"object": "list", "data": [{"id": "m", "object": "model",
+                                                                         "created": 0, "owned_by": "x"}]})
+        sent.append(json.loads(request.content))
+        body = _sse(*(_chat_chunk({"content": c}, "length" if c == "c" else None) for c in "abc"), "[DONE]")
+        return httpx.Response(200, content=body, headers={"content-type": "text/event-stream"})
+
+    cfg = ServeBenchConfig(base_url="http://scripted/v1", endpoint="chat", num_prompts=2, input_len=(3, 3),
+                           output_len=(3, 3), num_warmups=0, progress=False,
+                           logit_bias=parse_logit_bias('{"0": -100, "2": -100}'))
+    report = run(cfg, http_client=httpx.AsyncClient(transport=httpx.MockTransport(handler)))
+    assert [r["logit_bias"] for r in sent] == [{"0": -100.0, "2": -100.0}] * 2
+    assert report["completed"] == 2 and report["total_output_tokens"] == 6 == report["requested_output_tokens"]
+
+
+@pytest.mark.parametrize("text, message", [("{2: -100}", "not JSON"),
+                                           ('{"eos": -100}', "expected an object of token ids"),
+                                           ('[["2", -100]]', "expected an object"),
+                                           ('{"2": true}', "expected an object")])
+def test_a_bad_logit_bias_is_named(text, message):
+    with pytest.raises(ValueError, match=f"--logit-bias: {message}"):
+        parse_logit_bias(text)
+    assert parse_logit_bias(None) is None
 
 
 def test_arrivals_are_poisson_or_all_at_once():

@@ -93,7 +93,7 @@ BF16_PLANS = {
     "amx": (torch.bfloat16, True, 8, 8, 0),
     "avx512_bf16": (torch.bfloat16, True, 8, 8, 0),
     "avx512": (torch.float32, True, 16, 0, 1),
-    "avx2": (torch.float32, True, 8, 16, 0),
+    "avx2": (torch.float32, True, 16, 16, 0),
     "neon": (torch.float32, False, 8, 16, 0),
     "baseline": (torch.float32, False, 8, 16, 0),
 }
@@ -108,6 +108,9 @@ def test_each_family_gets_its_measured_kernel_plan(family):
     assert fp32.compute == torch.float32 and not fp32.pack and not fp32.widened  # MKL's sgemm, as HF
     # torch's int4 kernel with float32 activations: 7x slower than the dense GEMM on AVX2
     assert (fp32.int4_rows, fp32.q8_0_rows) == ((8, 8) if family in ("amx", "avx512_bf16", "avx512") else (0, 16))
+    # our C++ 4-bit kernel where its AVX2 body beats torch's int4 one; torch's elsewhere
+    assert plan.int4_kernel == fp32.int4_kernel == ("cpp" if family == "avx2" else "torch")
+    assert ("int4 (C++) <= 16 rows" in plan.describe()) == (family == "avx2")
 
 
 @pytest.mark.parametrize("family", ["avx2", "baseline", "neon"])

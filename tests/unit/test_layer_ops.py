@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from pagedllm import cpu_features
-from pagedllm.models.gguf_quant import decode_blocks
+from pagedllm.models.gguf_quant import BlockQuantized, decode_blocks
 from pagedllm.models.layer_ops import EXTENSION, CpuLayerOps, TorchLayerOps, get_layer_ops
-from pagedllm.models.quantized_linear import Int4Matmul, Int8BlockMatmul, Linear, quantized_matmul
+from pagedllm.models.quantized_linear import Int4BlockMatmul, Int4Matmul, Int8BlockMatmul, Linear, quantized_matmul
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 TORCH = TorchLayerOps()
@@ -82,6 +82,28 @@ def test_int4_matmul_equals_dense(kind, dtype):
     assert out.dtype == dtype
     tol = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 5e-3}[dtype]
     torch.testing.assert_close(out.float(), x.to(dtype).float() @ dense.T, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cpp_int4_matmul_equals_dense_at_every_row_count(ops, kind, dtype):
+    """Our C++ 4-bit kernel: float32 maths on the exact GGUF weights, so to float32's rounding of
+    the sum (then the output's dtype); rows 1-17 cover every row group (1-8) and a remainder."""
+    blocks, dense = gguf_weight(kind, 70, 96, seed=5)
+    kernel = quantized_matmul(blocks, dtype, ops, "cpp")
+    assert isinstance(kernel, Int4BlockMatmul)
+    x = torch.randn(17, 96, generator=torch.Generator().manual_seed(5)).to(dtype)
+    for rows in range(1, 18):
+        out = kernel(x[:rows])
+        assert out.dtype == dtype and out.shape == (rows, 70)
+        close(out, x[:rows].float() @ dense.T, dtype)
+
+
+def test_cpp_int4_matmul_refuses_scales_float16_cannot_hold(ops):
+    blocks, _ = gguf_weight("Q4_1", 32, 64)
+    odd = BlockQuantized(blocks.codes, blocks.scale + 1e-6, blocks.minimum)
+    with pytest.raises(ValueError, match="float16 holds exactly"):
+        Int4BlockMatmul(odd, ops)
 
 
 def test_linear_uses_the_quantized_kernel_only_for_small_steps(ops):

@@ -7,7 +7,8 @@ weight (what HF and the first engine used), the same weight prepacked for oneDNN
 with the activation's widening and the output's rounding as the engine runs it on a CPU without
 native bf16 (``cpu_features.matmul_dtype``), the same float32 weight unpacked (MKL's sgemm: the
 path where oneDNN packs no float32), and the weight-only kernel over the GGUF's own
-blocks (int4 for the Q4_1 projections, the C++ Q8_0 kernel for the LM head). The per-layer total
+blocks (for the Q4_1 projections torch's int4 kernel, ``gguf_blocks``, and our C++ 4-bit one,
+``gguf_blocks_cpp``; the C++ Q8_0 kernel for the LM head). The per-layer total
 shows where the quantized path stops paying (each family's crossovers: ``kernel_plan``). A
 packing oneDNN does not do on this CPU (``CpuFeatures.onednn_packs``) is not timed, and the
 report says why. Weights are
@@ -71,7 +72,10 @@ def main(args) -> dict:
         packed = prepack_for_onednn(dense)
         packed32 = prepack_for_onednn(dense, torch.float32)
         dense32 = dense.float()
-        kernel = quantized_matmul(BlockQuantized.cat([q[n] for n in parts]), torch.bfloat16, ops)
+        blocks = BlockQuantized.cat([q[n] for n in parts])
+        kernels = {"gguf_blocks": quantized_matmul(blocks, torch.bfloat16, ops)}  # torch's int4, or our Q8_0
+        if blocks.bits == 4 and hasattr(ops, "q4_linear"):
+            kernels["gguf_blocks_cpp"] = quantized_matmul(blocks, torch.bfloat16, ops, "cpp")
         per_rows = {}
         for rows in rows_list:
             x = torch.randn(rows, dense.shape[1], generator=gen).bfloat16()
@@ -81,8 +85,9 @@ def main(args) -> dict:
             t["plain_fp32"] = median_ms(partial(_plain_widened, x, dense32), args.repeats)
             if packed32 is not None:
                 t["prepacked_fp32"] = median_ms(partial(_widened, x, packed32), args.repeats)
-            if kernel is not None:
-                t["gguf_blocks"] = median_ms(partial(kernel, x), args.repeats)
+            for kind, kernel in kernels.items():
+                if kernel is not None:
+                    t[kind] = median_ms(partial(kernel, x), args.repeats)
             per_rows[rows] = t
             print(f"{name:<8} {tuple(dense.shape)!s:<14} rows={rows:<4} "
                   + "  ".join(f"{k}={v:.3f}ms" for k, v in t.items()))

@@ -4,7 +4,8 @@ Runs under ``.venv-peers/bin/python`` (vLLM's CPU build, its own torch and trans
 it imports nothing from pagedllm. It builds one ``vllm.LLM`` (the first start compiles for
 minutes; later runs are warm), says ``{"ready": ...}`` on stdout, then answers one JSON line per
 job read from stdin: ``{"prompts": [[token ids], ...], "max_tokens": [...]}`` ->
-``{"seconds": wall time of generate, "output_tokens": n, "prompt_tokens": n}``. Greedy, EOS
+``{"seconds": wall time of generate, "output_tokens": n, "prompt_tokens": n, "token_ids": [[...], ...]}``
+(each request's generated ids, for the greedy agreement). Greedy, EOS
 ignored, so every request generates exactly ``max_tokens``. vLLM spawns processes: everything
 runs under ``if __name__ == "__main__"``.
 """
@@ -39,7 +40,8 @@ def main() -> None:
         seconds = time.perf_counter() - start
         out.write(json.dumps({"seconds": seconds,
                               "output_tokens": sum(len(r.outputs[0].token_ids) for r in results),
-                              "prompt_tokens": sum(len(r.prompt_token_ids) for r in results)}) + "\n")
+                              "prompt_tokens": sum(len(r.prompt_token_ids) for r in results),
+                              "token_ids": [list(r.outputs[0].token_ids) for r in results]}) + "\n")
         out.flush()
 
 

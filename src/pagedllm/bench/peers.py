@@ -1,38 +1,37 @@
-"""``pagedllm bench peers``: pagedllm against vLLM's own CPU build, offline, on the same prompts.
+"""``pagedllm bench peers``: pagedllm against other engines on this CPU, offline, on the same prompts.
 
-Workloads (each run gets fresh seeded random token-id prompts, the same for both engines, so no
+Workloads (each run gets fresh seeded random token-id prompts, the same for every engine, so no
 prefix-cache hits): *decode* ``C`` concurrent requests of ``--input-len`` prompt tokens and
 ``--output-len`` new tokens (greedy, EOS ignored), reported as output tokens/s end to end; and
 *prefill* ``N x L``: N prompts of L tokens with ``max_tokens=1``, reported as prompt tokens/s.
 
-pagedllm runs in this process (one ``LLM``); vLLM runs in one long-lived worker under the peer
-venv's Python (``bench/peer_vllm_worker.py``, from ``make peers``), so its start-up compile happens
-once and only warm runs count. Between its jobs the worker's process group is paused (SIGSTOP),
-so an idle vLLM takes no CPU from pagedllm's runs. Each engine first runs one untimed warm-up job; then for every
-round and workload the two run back to back (pagedllm, then vLLM), and the report gives medians
-over rounds and the ratio pagedllm / vLLM of the medians. Without the peer venv the vLLM part is
-skipped with a message saying how to get it.
+The peers (``--peer``): vLLM's CPU build at each dtype of ``--peer-dtype`` (on a CPU without
+native bf16 its bf16 GEMMs convert in the inner loop, so both bf16 and float32 are tried and the
+faster counts), and llama.cpp on the same GGUF file (``peer_llamacpp_worker.py``). pagedllm runs
+in this process (one ``LLM``); each peer setting in one long-lived worker under its own venv's
+Python (``bench/peer_workers.py``), so start-up compiles happen once and only warm runs count.
+Each engine first runs one untimed warm-up job; then for every round and workload all run back
+to back (pagedllm first), and the report gives medians over rounds, each peer's fastest setting
+per workload and the ratio pagedllm / that median, and each peer's greedy agreement with ours.
+After round 1 a peer setting more than ``--peer-drop`` times slower than that peer's fastest on
+a workload is not run again on it (it cannot be the one that counts; 0 keeps all). A peer whose
+venv is missing is skipped with a message saying how to get it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import random
 import signal
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from pagedllm.bench.machine import machine_info, machine_steal_seconds
-
-WORKER = Path(__file__).with_name("peer_vllm_worker.py")
-PEER_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "2",
-            "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+from pagedllm.bench.peer_workers import PeerWorker, peer_specs
 
 
 @dataclass(frozen=True)
@@ -108,73 +107,6 @@ def parse_workloads(concurrency: str, prefill: str, input_len: int, output_len: 
     return out
 
 
-class PeerWorker:
-    """The vLLM worker process: one JSON job per line in, one result per line out."""
-
-    def __init__(self, python: str, model: str, dtype: str, max_num_seqs: int, worker: Path = WORKER,
-                 timeout_s: float = 1800.0) -> None:
-        env = {**os.environ, **PEER_ENV}
-        iomp = sorted(Path(python).resolve().parent.parent.glob("lib/libiomp5.so"))
-        if iomp:
-            env["LD_PRELOAD"] = str(iomp[0])  # vLLM's CPU build expects Intel's OpenMP preloaded
-        self.log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"pagedllm-peer-vllm-{os.getpid()}.log", "w")  # noqa: SIM115
-        self.proc = subprocess.Popen([python, str(worker), model, dtype, str(max_num_seqs)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self.log, text=True, env=env,
-                                     start_new_session=True)  # its own process group, to pause it whole
-        self.timeout_s = timeout_s
-        ready = self._read()
-        if not ready.get("ready"):
-            raise RuntimeError(f"the vLLM worker did not start: {ready}")
-        self._signal(signal.SIGSTOP)
-
-    def _signal(self, sig: int) -> None:
-        """Pause (SIGSTOP) or resume (SIGCONT) the worker and the engine processes it spawned: a
-        paused peer takes no CPU while pagedllm runs (its OpenMP threads and engine loop may
-        spin or poll when idle), so each engine has the cores to itself during its own runs."""
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, sig)
-
-    def _read(self) -> dict:
-        line = self.proc.stdout.readline()
-        if not line:
-            self.proc.wait(10)
-            raise RuntimeError(f"the vLLM worker exited with {self.proc.returncode}; its log: {self.log.name}")
-        return json.loads(line)
-
-    def run(self, prompts: list[list[int]], max_tokens: int | list[int]) -> dict:
-        if isinstance(max_tokens, int):
-            max_tokens = [max_tokens] * len(prompts)
-        self._signal(signal.SIGCONT)
-        try:
-            self.proc.stdin.write(json.dumps({"prompts": prompts, "max_tokens": max_tokens}) + "\n")
-            self.proc.stdin.flush()
-            return self._read()
-        finally:
-            self._signal(signal.SIGSTOP)
-
-    def close(self, graceful: bool = True) -> None:
-        """Let the worker exit (its stdin closed) or, when not ``graceful`` or when it does not exit
-        within a minute, kill its whole process group: vLLM's engine processes must not outlive
-        the benchmark (left behind, they would compete with the next run)."""
-        if self.proc.poll() is None and graceful:
-            self._signal(signal.SIGCONT)
-            self.proc.stdin.close()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(60)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, signal.SIGKILL)  # the group outlives its leader: kill what is left
-        self.proc.wait()
-        self.log.close()
-
-
-class _Terminated(Exception):
-    """SIGTERM while the peer runs: unwinds to the ``finally`` that kills the peer's process group."""
-
-
-def _raise_terminated(signum, frame) -> None:
-    raise _Terminated()
-
-
 def run_pagedllm(llm, prompts: list[list[int]], max_tokens: int | list[int]) -> dict:
     from pagedllm import SamplingParams
 
@@ -185,7 +117,8 @@ def run_pagedllm(llm, prompts: list[list[int]], max_tokens: int | list[int]) -> 
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     seconds = time.perf_counter() - start
     return {"seconds": seconds, "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
-            "prompt_tokens": sum(len(o.prompt_token_ids) for o in outs)}
+            "prompt_tokens": sum(len(o.prompt_token_ids) for o in outs),
+            "token_ids": [list(o.outputs[0].token_ids) for o in outs]}
 
 
 def rate(result: dict, workload: Workload) -> float:
@@ -194,10 +127,73 @@ def rate(result: dict, workload: Workload) -> float:
     return tokens / result["seconds"]
 
 
+def greedy_agreement(ours: list[list[int]], theirs: list[list[int]]) -> dict:
+    """How far two engines' greedy outputs for the same prompts agree: ``prefix``, the share of each
+    request's tokens before the first that differs (averaged over requests), and ``identical``,
+    the share of requests equal throughout."""
+    if len(ours) != len(theirs) or not ours:
+        raise ValueError(f"{len(ours)} outputs against {len(theirs)}")
+    prefixes, identical = [], 0
+    for a, b in zip(ours, theirs, strict=True):
+        same = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+        prefixes.append(same / max(len(a), len(b), 1))
+        identical += a == b
+    return {"prefix": statistics.fmean(prefixes), "identical": identical / len(ours)}
+
+
+def context_per_sequence(workloads: list) -> int:
+    """The longest prompt + output of any request, rounded up to 256 (llama.cpp's per-sequence context)."""
+    longest = 16 + 4  # the warm-up job
+    for w in workloads:
+        outs = w.max_tokens if isinstance(w.max_tokens, list) else [w.max_tokens] * w.num_prompts
+        lens = [len(p) for p in w.base_prompts] if isinstance(w, TraceWorkload) else [w.prompt_len] * w.num_prompts
+        longest = max(longest, 1 + max(n + m for n, m in zip(lens, outs, strict=True)))
+    return -(-longest // 256) * 256
+
+
+class _Terminated(Exception):
+    """SIGTERM while a peer runs: unwinds to the ``finally`` that kills the peers' process groups."""
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise _Terminated()
+
+
+def _median(results: list[dict]) -> float | None:
+    return statistics.median(r["tokens_per_s"] for r in results) if results else None
+
+
+def summarize_workload(w, runs: dict[str, list[dict]], specs: list, dropped: dict[str, str]) -> dict:
+    """One report row: every engine's median, each peer's best setting and our ratio to it, and the
+    greedy agreement of each peer with ours over the rounds both ran (decode workloads)."""
+    ours = runs["pagedllm"]
+    row = {"name": w.name, "unit": "prompt tok/s" if w.is_prefill else "output tok/s",
+           "pagedllm": _median(ours), "pagedllm_runs": [r["tokens_per_s"] for r in ours],
+           "settings": {}, "peers": {}, "runs": runs}
+    for spec in specs:
+        theirs = runs[spec.label]
+        entry = {"median": _median(theirs), "runs": [r["tokens_per_s"] for r in theirs],
+                 "dropped": dropped.get(spec.label)}
+        if not w.is_prefill:
+            pairs = [(a["token_ids"], b["token_ids"]) for a, b in zip(ours, theirs, strict=False) if "token_ids" in b]
+            if pairs:
+                scores = [greedy_agreement(a, b) for a, b in pairs]
+                entry["agreement"] = {k: statistics.fmean(s[k] for s in scores) for k in ("prefix", "identical")}
+        row["settings"][spec.label] = entry
+    for peer in dict.fromkeys(spec.peer for spec in specs):
+        mine = [s for s in specs if s.peer == peer and row["settings"][s.label]["median"] is not None]
+        if mine:
+            best = max(mine, key=lambda s: row["settings"][s.label]["median"])
+            median = row["settings"][best.label]["median"]
+            row["peers"][peer] = {"best": best.setting, "median": median, "ratio": row["pagedllm"] / median}
+    return row
+
+
 def main(args) -> dict:
     from tqdm import tqdm
 
     from pagedllm import LLM
+    from pagedllm.models.loader import resolve_model_path
 
     if args.trace:  # the trace alone; at most 256 sequences at once (vLLM's default), the same for both
         from pagedllm.bench.traces import read_trace
@@ -207,6 +203,9 @@ def main(args) -> dict:
     else:
         workloads = parse_workloads(args.concurrency, args.prefill, args.input_len, args.output_len)
         max_num_seqs = max(64, *(w.num_prompts for w in workloads))
+    if args.llamacpp_model is None:  # llama.cpp runs the very GGUF file we load, when we load one
+        path = resolve_model_path(args.model)
+        args.llamacpp_model = str(path) if path.suffix == ".gguf" else None
     llm = LLM(model=args.model, dtype=args.dtype, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
               quantization=args.quantization, max_num_seqs=max_num_seqs)
     vocab = llm.engine.config.model.vocab_size
@@ -214,26 +213,21 @@ def main(args) -> dict:
         tokenizer = llm.get_tokenizer()
         workloads = [TraceWorkload.from_trace(f"trace {Path(args.trace).name}", trace, vocab,
                                               tokenizer.encode if tokenizer is not None else None)]
-    peer, skipped = None, None
-    if not Path(args.peer_python).exists():
-        skipped = f"vLLM part skipped: {args.peer_python} not found (run `make peers` to install vLLM's CPU build)"
-    elif not Path(args.peer_model).exists():
-        skipped = f"vLLM part skipped: {args.peer_model} not found (run `make peers` to write the HF folder)"
-    else:
-        print(f"starting vLLM's offline engine ({args.peer_python}); its first start compiles for minutes",
-              file=sys.stderr)
-        peer = PeerWorker(args.peer_python, args.peer_model, args.dtype, max_num_seqs,
-                          Path(args.peer_worker) if args.peer_worker else WORKER)
-    if skipped:
-        print(skipped, file=sys.stderr)
-    runs: dict[str, dict[str, list]] = {w.name: {"pagedllm": [], "vllm": []} for w in workloads}
-    # `kill` (SIGTERM) would otherwise end this process at once and leave the peer's group running
-    previous_sigterm = signal.signal(signal.SIGTERM, _raise_terminated) if peer else None
+    specs, skipped = peer_specs(args, max_num_seqs, context_per_sequence(workloads), os.cpu_count() or 1)
+    for message in skipped:
+        print(message, file=sys.stderr)
+    runs: dict[str, dict[str, list]] = {w.name: {"pagedllm": [], **{s.label: [] for s in specs}} for w in workloads}
+    dropped: dict[str, dict[str, str]] = {w.name: {} for w in workloads}
+    workers: list[PeerWorker] = []
+    # `kill` (SIGTERM) would otherwise end this process at once and leave the peers' groups running
+    previous_sigterm = signal.signal(signal.SIGTERM, _raise_terminated) if specs else None
     graceful = True
     try:
+        for spec in specs:
+            print(f"starting {spec.label} ({spec.argv[0]}); vLLM's first start compiles for minutes", file=sys.stderr)
+            workers.append(PeerWorker(spec))
         engines = {"pagedllm": lambda prompts, max_tokens: run_pagedllm(llm, prompts, max_tokens)}
-        if peer:
-            engines["vllm"] = peer.run
+        engines.update({worker.spec.label: worker.run for worker in workers})
         warm = Workload("warm-up", 2, 16, 4).prompts(vocab, f"{args.seed}:warm-up")
         for engine in engines.values():
             engine(warm, 4)
@@ -243,6 +237,8 @@ def main(args) -> dict:
                 for w in workloads:
                     prompts = w.prompts(vocab, f"{args.seed}:{w.name}:{round_}")
                     for name, engine in engines.items():
+                        if name in dropped[w.name]:
+                            continue
                         steal = machine_steal_seconds()
                         result = engine(prompts, w.max_tokens)
                         after = machine_steal_seconds()
@@ -253,28 +249,27 @@ def main(args) -> dict:
                                                f"expected {expected}")
                         result["tokens_per_s"] = rate(result, w)
                         runs[w.name][name].append(result)
+                    if round_ == 0 and args.peer_drop > 0:
+                        dropped[w.name] = settings_to_drop(specs, runs[w.name], args.peer_drop)
                     bar.update(1)
     except _Terminated:
         graceful = False
         raise SystemExit(128 + signal.SIGTERM) from None
     finally:
-        if peer:
-            peer.close(graceful)
+        for worker in workers:
+            worker.close(graceful)
+        if specs:
             signal.signal(signal.SIGTERM, previous_sigterm)
     report = {"settings": {"dtype": args.dtype, "quantization": llm.engine.config.quantization,
-                           "rounds": args.rounds, "input_len": args.input_len, "output_len": args.output_len,
-                           "max_num_seqs": max_num_seqs, "peer_python": args.peer_python,
-                           "peer_model": args.peer_model, "seed": args.seed, "trace": args.trace},
-              "machine": machine_info(), "vllm_skipped": skipped, "workloads": []}
-    for w in workloads:
-        ours = [r["tokens_per_s"] for r in runs[w.name]["pagedllm"]]
-        theirs = [r["tokens_per_s"] for r in runs[w.name]["vllm"]]
-        row = {"name": w.name, "unit": "prompt tok/s" if w.is_prefill else "output tok/s",
-               "pagedllm": statistics.median(ours), "pagedllm_runs": ours,
-               "vllm": statistics.median(theirs) if theirs else None, "vllm_runs": theirs,
-               "runs": runs[w.name]}
-        row["ratio"] = row["pagedllm"] / row["vllm"] if theirs else None
-        report["workloads"].append(row)
+                           "kernels": llm.engine.kernels_line(), "rounds": args.rounds, "input_len": args.input_len,
+                           "output_len": args.output_len, "max_num_seqs": max_num_seqs,
+                           "peers": [s.label for s in specs], "peer_python": args.peer_python,
+                           "peer_model": args.peer_model, "llamacpp_python": args.llamacpp_python,
+                           "llamacpp_model": args.llamacpp_model, "peer_drop": args.peer_drop,
+                           "seed": args.seed, "trace": args.trace},
+              "machine": machine_info(), "skipped": skipped,
+              "peer_info": {w.spec.label: {k: v for k, v in w.ready.items() if k != "ready"} for w in workers},
+              "workloads": [summarize_workload(w, runs[w.name], specs, dropped[w.name]) for w in workloads]}
     print(format_report(report))
     if args.json:
         with open(args.json, "w") as f:
@@ -282,15 +277,39 @@ def main(args) -> dict:
     return report
 
 
+def settings_to_drop(specs: list, runs: dict[str, list[dict]], ratio: float) -> dict[str, str]:
+    """After the first round: each peer setting more than ``ratio`` times slower than that peer's
+    fastest setting on the workload, with the reason (it cannot be the setting that counts)."""
+    out = {}
+    for spec in specs:
+        best = max(runs[s.label][0]["tokens_per_s"] for s in specs if s.peer == spec.peer)
+        mine = runs[spec.label][0]["tokens_per_s"]
+        if mine * ratio < best:
+            out[spec.label] = f"{best / mine:.1f}x slower than {spec.peer}'s fastest setting in round 1"
+    return out
+
+
 def format_report(report: dict) -> str:
     m, s = report["machine"], report["settings"]
-    lines = [f"{m['cpu']}, {m['cores']} cores, {' '.join(m['flags']) or 'no avx512/amx'}; {s['dtype']}, "
-             f"medians of {s['rounds']} alternating rounds",
-             "| workload | unit | pagedllm | vLLM | pagedllm / vLLM |", "|---|---|---:|---:|---:|"]
+    labels = s["peers"]
+    peers = list(dict.fromkeys(label.split(" ")[0] for label in labels))
+    head = ["workload", "unit", "pagedllm", *labels, *(f"pagedllm / {p} at best" for p in peers)]
+    lines = [f"{m['cpu']}, {m['cores']} cores, {' '.join(m['flags']) or 'no avx512/amx'}; pagedllm {s['dtype']} "
+             f"({s['kernels']}); medians of {s['rounds']} alternating rounds",
+             "| " + " | ".join(head) + " |", "|---|---|" + "---:|" * (len(head) - 2)]
     for row in report["workloads"]:
-        vllm = "-" if row["vllm"] is None else f"{row['vllm']:.1f}"
-        ratio = "-" if row["ratio"] is None else f"{row['ratio']:.2f}x"
-        lines.append(f"| {row['name']} | {row['unit']} | {row['pagedllm']:.1f} | {vllm} | {ratio} |")
-    if report["vllm_skipped"]:
-        lines.append(report["vllm_skipped"])
+        cells = [row["name"], row["unit"], f"{row['pagedllm']:.1f}"]
+        for label in labels:
+            entry = row["settings"][label]
+            cell = f"{entry['median']:.1f}"
+            if entry.get("agreement"):
+                cell += f" (agree {entry['agreement']['prefix']:.0%})"
+            cells.append(cell + (" dropped after round 1" if entry["dropped"] else ""))
+        for peer in peers:
+            best = row["peers"].get(peer)
+            cells.append(f"{best['ratio']:.2f}x ({best['best']})" if best else "-")
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += report["skipped"]
+    if any("agreement" in e for row in report["workloads"] for e in row["settings"].values()):
+        lines.append("agree: the share of each request's greedy tokens before its first difference from ours")
     return "\n".join(lines)

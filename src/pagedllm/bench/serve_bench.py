@@ -4,7 +4,8 @@ Owns the client side of a serving benchmark: it sends ``num_prompts`` seeded syn
 (random-word prompts, ``bench/text_workload.py``) to ``/v1/completions`` or ``/v1/chat/completions``
 through the official ``openai.AsyncOpenAI`` client, each streamed (``stream_options.include_usage``)
 with ``max_tokens`` = its output length and ``ignore_eos`` as an extra body field, so every request
-generates exactly what it asked for (vLLM and pagedllm both accept it). Requests arrive as a
+generates exactly what it asked for (vLLM and pagedllm both accept it; for a server that ignores
+it, such as llama.cpp's, ``logit_bias`` -100 on the EOS tokens does the same). Requests arrive as a
 Poisson process of ``request_rate`` per second (``inf``: all at t = 0) and at most
 ``max_concurrency`` are in flight at once. Failed requests (HTTP errors, refused connections, an
 error chunk mid-stream, a stream without a finish reason) are counted and reported, never raised.
@@ -52,6 +53,8 @@ class ServeBenchConfig:
     timeout_s: float = 600.0
     progress: bool = True
     trace: str | None = None            # a JSONL trace: its requests and arrival times replace the above
+    logit_bias: dict[str, float] | None = None  # sent with every request (a server without ignore_eos:
+                                                # -100 on the EOS tokens keeps every output at max_tokens)
 
     def validate(self) -> None:
         if self.endpoint not in ENDPOINTS:
@@ -127,6 +130,8 @@ class Session:
     async def _create(self, prompt: str, max_tokens: int):
         common = dict(model=self.model, stream=True, stream_options={"include_usage": True}, temperature=0.0,
                       extra_body={"ignore_eos": True})
+        if self.cfg.logit_bias:
+            common["logit_bias"] = self.cfg.logit_bias
         if self.cfg.endpoint == "chat":
             return await self.client.chat.completions.create(
                 messages=[{"role": "user", "content": prompt}], max_completion_tokens=max_tokens, **common)
@@ -289,7 +294,21 @@ def config_from_args(args) -> ServeBenchConfig:
                             output_len=parse_range(args.output_len, "--output-len"), request_rate=args.request_rate,
                             max_concurrency=args.max_concurrency, seed=args.seed, num_warmups=args.num_warmups,
                             server_pid=args.server_pid, timeout_s=args.timeout, progress=not args.no_progress,
-                            trace=args.trace)
+                            trace=args.trace, logit_bias=parse_logit_bias(args.logit_bias))
+
+
+def parse_logit_bias(text: str | None) -> dict[str, float] | None:
+    """``'{"2": -100}'`` -> {"2": -100.0}: token ids (as strings, as the OpenAI API has them) to biases."""
+    if not text:
+        return None
+    try:
+        bias = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--logit-bias: not JSON ({e.msg}): {text!r}") from None
+    if not isinstance(bias, dict) or not all(k.isdigit() and isinstance(v, int | float) and not isinstance(v, bool)
+                                             for k, v in bias.items()):
+        raise ValueError(f'--logit-bias: expected an object of token ids to numbers, e.g. {{"2": -100}}: {text!r}')
+    return {k: float(v) for k, v in bias.items()}
 
 
 def main(args) -> dict:

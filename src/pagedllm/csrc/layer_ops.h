@@ -1,6 +1,7 @@
 // Per-token layer ops for CPU that torch would run as several kernels (and several Python calls)
-// each: RMSNorm (optionally fused with the residual add), SiLU-and-multiply, and a matrix product
-// over GGUF Q8_0 weights (int8 codes, one float scale per 32 weights) for small batches.
+// each: RMSNorm (optionally fused with the residual add), SiLU-and-multiply, and matrix products
+// over GGUF Q8_0 weights (int8 codes, one float scale per 32 weights) and Q4_0/Q4_1 weights (4-bit
+// codes, a scale and a minimum per 32 weights) for small batches.
 // Bound to Python by models/csrc/layer_ops_cpu.cpp and called layer by layer by the decoder stack
 // (models/csrc/decoder_stack_cpu.cpp); each extension includes this header in its one source.
 //
@@ -19,6 +20,7 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <vector>
 
 #include "cpu_vec.h"
 
@@ -434,7 +436,138 @@ void q8_0_rows(const float* x, const int8_t* codes, const float* scales, float* 
 using Q8Rows = void (*)(const float*, const int8_t*, const float*, float*, int64_t, int64_t, int64_t, int64_t);
 constexpr Q8Rows kQ8Rows[] = {q8_0_rows<1>, q8_0_rows<2>, q8_0_rows<3>, q8_0_rows<4>};
 
+// R rows of x (float32, row stride K) times rows [begin, end) of a 4-bit weight in GGUF's Q4_0/Q4_1
+// block layout: 16 bytes per 32 weights, byte j holding weight j in its low nibble and weight j + 16
+// in its high one, and per block a (scale, minimum) pair in float16 (GGUF's own, exact), w = scale
+// * q + minimum. The minimum's share, minimum * sum(x over the block), is one more FMA per block
+// on xpart: the block's x summed in 8 lanes (lane j: x[j] + x[j + 8] + x[j + 16] + x[j + 24]),
+// computed once per call. R is a compile-time constant so the accumulators stay in registers
+// (R <= 8: 8 accumulators, the 4 unpacked weight vectors and one of x fit AVX2's 16).
+template <int R>
+void q4_rows(const float* x, const float* xpart, const uint8_t* codes, const at::Half* scale_min, float* out,
+             int64_t out_stride, int64_t K, int64_t begin, int64_t end) {
+  const int64_t G = K / 32;
+  for (int64_t n = begin; n < end; ++n) {
+    const uint8_t* c = codes + n * (K / 2);
+    const at::Half* sm = scale_min + n * 2 * G;
+    float dot[R];
+#if defined(__AVX2__) && !defined(__AVX512F__)
+    // Bytes 0-7 zero-extended to 8 int32 lanes hold weights 0-7 in their low nibbles and 16-23 in
+    // their high ones (bytes 8-15: 8-15 and 24-31), so one widening gives two vectors of weights.
+    // Up to 3 rows the products of the codes are summed per block and scaled once (6 FMAs per row
+    // and block); from 4 on, the weights are scaled once and shared (4 multiplies + 5 FMAs per row).
+    constexpr bool kScaleSums = R <= 3;
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    const __m256i low4 = _mm256_set1_epi32(0x0F);
+    const uint16_t* smh = reinterpret_cast<const uint16_t*>(sm);
+    for (int64_t g = 0; g < G; ++g) {
+      const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + g * 16)));
+      const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + g * 16 + 8)));
+      const __m256 d = _mm256_set1_ps(_cvtsh_ss(smh[2 * g]));
+      const __m256 m = _mm256_set1_ps(_cvtsh_ss(smh[2 * g + 1]));
+      __m256 w0 = _mm256_cvtepi32_ps(_mm256_and_si256(b0, low4));
+      __m256 w1 = _mm256_cvtepi32_ps(_mm256_and_si256(b1, low4));
+      __m256 w2 = _mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4));
+      __m256 w3 = _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4));
+      if constexpr (!kScaleSums) {
+        w0 = _mm256_mul_ps(w0, d);
+        w1 = _mm256_mul_ps(w1, d);
+        w2 = _mm256_mul_ps(w2, d);
+        w3 = _mm256_mul_ps(w3, d);
+      }
+      for (int r = 0; r < R; ++r) {
+        const float* xr = x + r * K + g * 32;
+        const __m256 xp = _mm256_loadu_ps(xpart + (r * G + g) * 8);
+        if constexpr (kScaleSums) {
+          __m256 t = _mm256_mul_ps(w0, _mm256_loadu_ps(xr));
+          t = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xr + 8), t);
+          t = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xr + 16), t);
+          t = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xr + 24), t);
+          acc[r] = _mm256_fmadd_ps(t, d, _mm256_fmadd_ps(xp, m, acc[r]));
+        } else {
+          acc[r] = _mm256_fmadd_ps(xp, m, acc[r]);
+          acc[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xr), acc[r]);
+          acc[r] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xr + 8), acc[r]);
+          acc[r] = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xr + 16), acc[r]);
+          acc[r] = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xr + 24), acc[r]);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) dot[r] = hsum8(acc[r]);
+#else
+    v16 acc[R];
+    float shift[R] = {};
+    for (int r = 0; r < R; ++r) acc[r] = v16{};
+    for (int64_t g = 0; g < G; ++g) {
+      const float d = static_cast<float>(sm[2 * g]), m = static_cast<float>(sm[2 * g + 1]);
+      float w[32];
+      for (int j = 0; j < 16; ++j) {
+        w[j] = d * static_cast<float>(c[g * 16 + j] & 0x0F);
+        w[j + 16] = d * static_cast<float>(c[g * 16 + j] >> 4);
+      }
+      v16 a, b;
+      std::memcpy(&a, w, 64);
+      std::memcpy(&b, w + 16, 64);
+      for (int r = 0; r < R; ++r) {
+        v16 xa, xb;
+        std::memcpy(&xa, x + r * K + g * 32, 64);
+        std::memcpy(&xb, x + r * K + g * 32 + 16, 64);
+        acc[r] += a * xa + b * xb;
+        const float* xp = xpart + (r * G + g) * 8;
+        shift[r] += m * (((xp[0] + xp[1]) + (xp[2] + xp[3])) + ((xp[4] + xp[5]) + (xp[6] + xp[7])));
+      }
+    }
+    for (int r = 0; r < R; ++r) dot[r] = hsum(acc[r]) + shift[r];
+#endif
+    for (int r = 0; r < R; ++r) out[r * out_stride + n] = dot[r];
+  }
+}
+
+using Q4Rows = void (*)(const float*, const float*, const uint8_t*, const at::Half*, float*, int64_t, int64_t, int64_t,
+                        int64_t);
+constexpr Q4Rows kQ4Rows[] = {q4_rows<1>, q4_rows<2>, q4_rows<3>, q4_rows<4>,
+                              q4_rows<5>, q4_rows<6>, q4_rows<7>, q4_rows<8>};
+
 }  // namespace
+
+// x [M, K] @ W^T for W given as 4-bit GGUF blocks (Q4_0 / Q4_1): codes uint8 [N, K / 2] in GGUF's
+// nibble order (see q4_rows), scale_min float16 [N, K / 32, 2] (w = scale * q + minimum; Q4_0 is
+// scale * (q - 8): minimum = -8 scale). Float32 maths on the exact weights; each weight block is
+// unpacked once per group of up to 8 rows of x, and the weight is walked in chunks of 32 rows so a
+// chunk stays in cache across row groups. Returns float32 [M, N]. Meant for small M (decode steps).
+inline torch::Tensor q4_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scale_min) {
+  TORCH_CHECK(x.dim() == 2 && codes.dim() == 2 && codes.scalar_type() == at::kByte, "expected x [M, K], codes uint8");
+  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0), G = K / 32;
+  TORCH_CHECK(K % 32 == 0 && codes.size(1) == K / 2, "codes must be [N, K / 2] with K a multiple of 32");
+  TORCH_CHECK(scale_min.scalar_type() == at::kHalf && scale_min.dim() == 3 && scale_min.size(0) == N &&
+                  scale_min.size(1) == G && scale_min.size(2) == 2,
+              "scale_min must be float16 [N, K / 32, 2]");
+  codes = codes.contiguous();
+  scale_min = scale_min.contiguous();
+  auto xf = x.to(at::kFloat).contiguous();
+  auto out = torch::empty({M, N}, x.options().dtype(at::kFloat));
+  const float* xs = xf.data_ptr<float>();
+  std::vector<float> xpart(M * G * 8);
+  for (int64_t i = 0; i < M * G; ++i) {
+    for (int j = 0; j < 8; ++j) {
+      xpart[i * 8 + j] = (xs[i * 32 + j] + xs[i * 32 + j + 8]) + (xs[i * 32 + j + 16] + xs[i * 32 + j + 24]);
+    }
+  }
+  float* os = out.data_ptr<float>();
+  const uint8_t* cs = codes.data_ptr<uint8_t>();
+  const at::Half* sms = scale_min.data_ptr<at::Half>();
+  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t n0 = begin; n0 < end; n0 += 32) {
+      const int64_t n1 = std::min<int64_t>(n0 + 32, end);
+      for (int64_t m0 = 0; m0 < M; m0 += 8) {
+        const int64_t rows = std::min<int64_t>(8, M - m0);
+        kQ4Rows[rows - 1](xs + m0 * K, xpart.data() + m0 * G * 8, cs, sms, os + m0 * N, N, K, n0, n1);
+      }
+    }
+  });
+  return out;
+}
 
 // x [M, K] @ W^T for W given as GGUF Q8_0: codes int8 [N, K], scales float32 [N, K / 32]
 // (w = scale * code). Each weight block is converted once per group of up to 4 rows of x;

@@ -20,14 +20,14 @@ from pathlib import Path
 
 from pagedllm.cpu_extension import CppExtension
 from pagedllm.models.layer_ops import CpuLayerOps
-from pagedllm.models.quantized_linear import Int4Matmul, Int8BlockMatmul, Linear
+from pagedllm.models.quantized_linear import Int4BlockMatmul, Int4Matmul, Int8BlockMatmul, Linear
 
 EXTENSION = CppExtension("pagedllm_decoder_stack", Path(__file__).parent / "csrc" / "decoder_stack_cpu.cpp",
                          "the C++ decoder stack", "running the layer loop in Python")
 
 # the C++ side's codes (Projection::Dense, Projection::Small)
 DENSE_PLAIN, DENSE_PACKED, DENSE_PACKED_WIDENED = 0, 1, 2
-SMALL_NONE, SMALL_INT4, SMALL_Q8_0 = 0, 1, 2
+SMALL_NONE, SMALL_INT4, SMALL_Q8_0, SMALL_Q4 = 0, 1, 2, 3
 
 
 def describe_projection(module, linear: Linear):
@@ -38,6 +38,8 @@ def describe_projection(module, linear: Linear):
         small, a, b = SMALL_INT4, kernel.packed, kernel.scales_and_zeros
     elif isinstance(kernel, Int8BlockMatmul):
         small, a, b = SMALL_Q8_0, kernel.codes, kernel.scale
+    elif isinstance(kernel, Int4BlockMatmul):
+        small, a, b = SMALL_Q4, kernel.codes, kernel.scale_min
     elif kernel is not None:
         return None
     if linear.packed is not None:

@@ -20,10 +20,15 @@ AVX-512 with BF16/AMX (bf16 GEMMs): 4-bit and Q8_0 up to 8 rows (decode at batch
 1.37x / 1.05x faster than the prepacked bf16 weights). AVX-512 without BF16 (float32 GEMMs): the
 4-bit kernel up to 16 rows (34 vs 41 ms at 16, 80 vs 60 ms at 32 over 30 layers), the Q8_0 head
 never (8.9 vs 6.8 ms at 1 row) but the natively packed bf16 head at 1 row (4.6 vs 6.2 ms).
-AVX2 without AVX-512 (float32 GEMMs; AMD EPYC 7B13, 2 cores): the 4-bit kernel up to 8 rows
-(per layer 1.33 vs 1.15 ms at 8, 2.94 vs 1.69 at 16), the Q8_0 head up to 16 rows (2.6 vs 9.8 ms at
-1 row, 6.7 vs 12.5 at 8); oneDNN packs no bf16 there. A float32 model there never runs the 4-bit
-kernel: with float32 activations torch's int4 matmul is 7x slower than the dense GEMM.
+AVX2 without AVX-512 (float32 GEMMs; AMD EPYC 7B13, 2 cores): our C++ 4-bit kernel
+(``int4_kernel="cpp"``) up to 16 rows. Per layer, hot, it takes 0.31 / 0.98 / 1.76 ms at 1 / 8 /
+16 rows; torch's takes 0.34 / 1.24 / 2.41 and the packed float32 GEMM 0.74 / 1.02 / 1.48. In the
+engine the float32 weights stream 4x the bytes: a batch-16 step takes 87-88 ms with the 4-bit
+kernel against 94-123 ms dense, and batch 32 is even (168-186 ms either way). With torch's
+kernel the crossover was 8 rows. The Q8_0 head runs up to 16 rows (2.6 vs 9.8 ms at 1 row, 6.7 vs
+12.5 at 8). oneDNN packs no bf16 there. A float32 model there never runs the 4-bit kernel: with
+float32 activations torch's int4 matmul is 7x slower than the dense GEMM. Ours takes float32
+activations as they are, but that path is untimed in the engine.
 The float32 crossovers on AVX-512 (8 rows) are those of the first engine, not re-measured.
 """
 
@@ -45,10 +50,13 @@ class KernelPlan:
     int4_rows: int               # 4-bit blocks for steps of at most this many rows (0: never)
     q8_0_rows: int               # Q8_0 blocks likewise
     native_head_rows: int        # a bf16-packed head for steps up to this many rows (where no Q8_0 head)
+    int4_kernel: str = "torch"   # the 4-bit kernel: "torch" (its int4 matmul) or "cpp" (our q4_linear)
 
     def __post_init__(self) -> None:
         if min(self.int4_rows, self.q8_0_rows, self.native_head_rows) < 0:
             raise ValueError("row crossovers must be >= 0")
+        if self.int4_kernel not in ("torch", "cpp"):
+            raise ValueError(f"int4_kernel must be 'torch' or 'cpp', got {self.int4_kernel!r}")
 
     @property
     def widened(self) -> bool:
@@ -60,8 +68,9 @@ class KernelPlan:
         name = {torch.float32: "float32", torch.bfloat16: "bf16", torch.float16: "fp16"}
         dense = f"{name[self.compute]} GEMMs" + (" (widened)" if self.widened else "")
         dense += ", oneDNN-packed" if self.pack else ", plain weights"
+        int4 = "int4" if self.int4_kernel == "torch" else "int4 (C++)"
         small = [f"{kind} <= {rows} rows" for kind, rows in
-                 (("int4", self.int4_rows), ("Q8_0", self.q8_0_rows), ("bf16 head", self.native_head_rows)) if rows]
+                 ((int4, self.int4_rows), ("Q8_0", self.q8_0_rows), ("bf16 head", self.native_head_rows)) if rows]
         return dense + (f"; small steps: {', '.join(small)}" if small else "")
 
 
@@ -81,6 +90,10 @@ def plan_kernels(cpu: CpuFeatures, dtype: torch.dtype) -> KernelPlan:
     elif cpu.avx512:
         int4_rows, q8_0_rows = 16, 0
         native_head = 1 if cpu.onednn_packs(dtype) else 0
-    else:  # AVX2 (and anything narrower): the Q8_0 head streams a quarter of float32's bytes
+    elif cpu.family == "avx2":  # our C++ 4-bit kernel; the Q8_0 head streams a quarter of float32's bytes
+        int4_rows, q8_0_rows, native_head = 16, 16, 0
+    else:  # narrower (neon, sve, baseline): torch's 4-bit kernel, the AVX2 crossovers otherwise (untested)
         int4_rows, q8_0_rows, native_head = 8, 16, 0
-    return KernelPlan(cpu.family, dtype, compute, pack, int4_rows, q8_0_rows, native_head)
+    # our C++ 4-bit kernel has an AVX2 body that beats torch's int4 kernel there; elsewhere torch's
+    int4_kernel = "cpp" if cpu.family == "avx2" else "torch"
+    return KernelPlan(cpu.family, dtype, compute, pack, int4_rows, q8_0_rows, native_head, int4_kernel)

@@ -67,6 +67,9 @@ class CpuLayerOps(TorchLayerOps):
     def q8_0_linear(self, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         return self.ops.q8_0_linear(x, codes, scales)
 
+    def q4_linear(self, x: torch.Tensor, codes: torch.Tensor, scale_min: torch.Tensor) -> torch.Tensor:
+        return self.ops.q4_linear(x, codes, scale_min)
+
 
 def get_layer_ops(device: str | torch.device) -> TorchLayerOps:
     """C++ ops on CPU when they build (warns once if not), torch ops elsewhere."""

@@ -8,7 +8,9 @@ also a weight-only quantized kernel that it uses for steps of at most ``max_rows
 
 - 4-bit blocks (Q4_0/Q4_1) run on torch's ``_weight_int4pack_mm_for_cpu`` with group size 32:
   it computes ``(q - 8) * scale + zero`` per group, so ``zero = minimum + 8 * scale`` reproduces
-  ``scale * q + minimum`` (exact in float32; scale and zero are rounded to the activation dtype).
+  ``scale * q + minimum`` (exact in float32; scale and zero are rounded to the activation dtype);
+  or, where the kernel plan says so (AVX2), on the C++ ``q4_linear`` (float32 maths, exact GGUF
+  weights), 1.3x faster than torch's there at 1 row.
 - 8-bit blocks (Q8_0) run on the C++ ``q8_0_linear`` (float32 maths, exact GGUF weights).
 
 Both copies hold the same GGUF weights, so the two paths differ only by rounding, like two GEMM
@@ -51,6 +53,29 @@ class Int4Matmul:
         return torch._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed, 32, self.scales_and_zeros)
 
 
+class Int4BlockMatmul:
+    """x [M, K] @ W^T with W as GGUF 4-bit blocks (Q4_0/Q4_1) through the C++ ``q4_linear``: float32
+    maths on the exact weights (scale and minimum in GGUF's float16, exact; torch's kernel rounds
+    its zero point to the activation dtype), codes packed two per byte in GGUF's own nibble order.
+    Output in x's dtype. The AVX2 plan's 4-bit kernel: its AVX2 body widens 8 bytes into 16
+    weights at once and shares each unpacked block among up to 8 rows."""
+
+    def __init__(self, weight: BlockQuantized, layer_ops) -> None:
+        if weight.bits != 4:
+            raise ValueError("Int4BlockMatmul needs 4-bit codes")
+        n, k = weight.codes.shape
+        halves = weight.codes.view(n, k // 32, 2, 16)  # weights j and j + 16 of a block share byte j
+        self.codes = (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+        pairs = torch.stack([weight.scale, weight.minimum], dim=-1)
+        self.scale_min = pairs.half().contiguous()  # GGUF stores both in float16: exact
+        if not torch.equal(self.scale_min.float(), pairs.float()):
+            raise ValueError("Int4BlockMatmul needs scales and minimums that float16 holds exactly (GGUF's)")
+        self.layer_ops = layer_ops
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer_ops.q4_linear(x, self.codes, self.scale_min).to(x.dtype)
+
+
 class Int8BlockMatmul:
     """x [M, K] @ W^T with W as GGUF Q8_0 blocks, through the C++ layer ops (float32 maths); output in
     x's dtype."""
@@ -76,9 +101,13 @@ class NativePackedMatmul:
         return onednn_linear(x, self.packed, None)
 
 
-def quantized_matmul(weight: BlockQuantized, dtype: torch.dtype, layer_ops):
-    """The small-batch kernel for these blocks, or None when this machine has none for them."""
+def quantized_matmul(weight: BlockQuantized, dtype: torch.dtype, layer_ops, int4_kernel: str = "torch"):
+    """The small-batch kernel for these blocks, or None when this machine has none for them.
+    ``int4_kernel`` (``KernelPlan.int4_kernel``): ``"cpp"`` for our C++ 4-bit kernel (where the C++
+    layer ops built), ``"torch"`` for torch's int4 one."""
     if weight.bits == 4:
+        if int4_kernel == "cpp" and hasattr(layer_ops, "q4_linear"):
+            return Int4BlockMatmul(weight, layer_ops)
         return Int4Matmul(weight, dtype) if cpu_features.current().int4_matmul else None
     if hasattr(layer_ops, "q8_0_linear"):
         return Int8BlockMatmul(weight, layer_ops)

@@ -41,14 +41,14 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed, const st
 // One linear layer, as models/quantized_linear.Linear runs it.
 struct Projection {
   enum Dense : int64_t { kPlain = 0, kPacked = 1, kPackedWidened = 2 };
-  enum Small : int64_t { kNone = 0, kInt4 = 1, kQ8_0 = 2 };
+  enum Small : int64_t { kNone = 0, kInt4 = 1, kQ8_0 = 2, kQ4 = 3 };
 
   int64_t dense;
   at::Tensor weight;  // [N, K] (kPlain) or oneDNN's packed layout
   std::optional<at::Tensor> bias;
   int64_t small;
   int64_t max_rows;
-  at::Tensor small_a, small_b;  // int4: packed codes, scales and zeros; Q8_0: codes, scales
+  at::Tensor small_a, small_b;  // int4: packed codes, scales and zeros; Q8_0: codes, scales; Q4: codes, scale_min
   std::optional<at::Tensor> small_bias;
 
   Projection(int64_t dense, at::Tensor weight, std::optional<at::Tensor> bias, int64_t small, int64_t max_rows,
@@ -57,7 +57,7 @@ struct Projection {
       : dense(dense), weight(std::move(weight)), bias(std::move(bias)), small(small), max_rows(max_rows),
         small_bias(std::move(small_bias)) {
     TORCH_CHECK(dense >= kPlain && dense <= kPackedWidened, "unknown dense kernel ", dense);
-    TORCH_CHECK(small >= kNone && small <= kQ8_0, "unknown small-batch kernel ", small);
+    TORCH_CHECK(small >= kNone && small <= kQ4, "unknown small-batch kernel ", small);
     if (small != kNone) {
       TORCH_CHECK(small_a.has_value() && small_b.has_value(), "a small-batch kernel needs its two tensors");
       this->small_a = *small_a;
@@ -78,6 +78,9 @@ struct Projection {
       at::Tensor y;
       if (small == kInt4) {
         y = at::_weight_int4pack_mm_for_cpu(x.contiguous(), small_a, 32, small_b);
+      } else if (small == kQ4) {
+        RECORD_FUNCTION("pagedllm::q4_linear", std::vector<c10::IValue>());
+        y = q4_linear(x, small_a, small_b).to(x.scalar_type());
       } else {
         RECORD_FUNCTION("pagedllm::q8_0_linear", std::vector<c10::IValue>());
         y = q8_0_linear(x, small_a, small_b).to(x.scalar_type());

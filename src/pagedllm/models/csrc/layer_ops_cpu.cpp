@@ -1,5 +1,5 @@
 // Python bindings of the per-token layer ops (csrc/layer_ops.h): RMSNorm, residual add + RMSNorm,
-// SiLU-and-multiply, and the GGUF Q8_0 matrix product for small batches.
+// SiLU-and-multiply, and the GGUF Q8_0 and Q4_0/Q4_1 matrix products for small batches.
 #include "layer_ops.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -7,4 +7,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x in place, then RMSNorm of it (CPU)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of fused gate_up rows (CPU)");
   m.def("q8_0_linear", &q8_0_linear, "x @ W^T with W in GGUF Q8_0 blocks, float32 out (CPU)");
+  m.def("q4_linear", &q4_linear, "x @ W^T with W in GGUF Q4_0/Q4_1 blocks, float32 out (CPU)");
 }
