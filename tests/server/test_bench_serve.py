@@ -223,8 +223,10 @@ def test_an_error_chunk_mid_stream_fails_the_request():
     assert "engine step failed" in next(iter(report["errors"]))
 
 
-def test_a_stream_cut_before_its_finish_reason_fails_the_request():
-    report = scripted_run(_sse(_chat_chunk({"content": "a"})))
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_a_stream_cut_before_its_finish_reason_fails_the_request(tokens):
+    """With 2 or more chunks before the cut, the report used to crash (TPOT of a request without an end)."""
+    report = scripted_run(_sse(*(_chat_chunk({"content": "a"}) for _ in range(tokens))))
     assert report["failed"] == 2 and report["errors"] == {"RuntimeError: the stream ended without a finish reason": 2}
 
 
@@ -237,7 +239,8 @@ def test_a_server_without_usage_or_ignore_eos_is_counted_by_chunks_and_gets_the_
             return httpx.Response(200, json={"object": "list", "data": [{"id": "m", "object": "model",
                                                                          "created": 0, "owned_by": "x"}]})
         sent.append(json.loads(request.content))
-        body = _sse(*(_chat_chunk({"content": c}, "length" if c == "c" else None) for c in "abc"), "[DONE]")
+        # three tokens, then a closing chunk with only the finish reason (llama.cpp's server does so)
+        body = _sse(*(_chat_chunk({"content": c}) for c in "abc"), _chat_chunk({"content": ""}, "length"), "[DONE]")
         return httpx.Response(200, content=body, headers={"content-type": "text/event-stream"})
 
     cfg = ServeBenchConfig(base_url="http://scripted/v1", endpoint="chat", num_prompts=2, input_len=(3, 3),
@@ -246,6 +249,25 @@ def test_a_server_without_usage_or_ignore_eos_is_counted_by_chunks_and_gets_the_
     report = run(cfg, http_client=httpx.AsyncClient(transport=httpx.MockTransport(handler)))
     assert [r["logit_bias"] for r in sent] == [{"0": -100.0, "2": -100.0}] * 2
     assert report["completed"] == 2 and report["total_output_tokens"] == 6 == report["requested_output_tokens"]
+    assert report["itl_ms"]["count"] == 4  # two gaps per request: the closing chunk is no token
+
+
+def test_a_completions_closing_chunk_without_text_is_no_token():
+    def chunk(text: str, finish: str | None = None) -> dict:
+        return {"id": "c", "object": "text_completion", "created": 0, "model": "m",
+                "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}]}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path.endswith("/models"):
+            return httpx.Response(200, json={"object": "list", "data": [{"id": "m", "object": "model",
+                                                                         "created": 0, "owned_by": "x"}]})
+        body = _sse(chunk("a"), chunk("b"), chunk("c", None), chunk("", "length"), "[DONE]")
+        return httpx.Response(200, content=body, headers={"content-type": "text/event-stream"})
+
+    cfg = ServeBenchConfig(base_url="http://scripted/v1", num_prompts=2, input_len=(3, 3), output_len=(3, 3),
+                           num_warmups=0, progress=False)
+    report = run(cfg, http_client=httpx.AsyncClient(transport=httpx.MockTransport(handler)))
+    assert report["completed"] == 2 and report["total_output_tokens"] == 6 and report["streamed_chunks"] == 6
 
 
 @pytest.mark.parametrize("text, message", [("{2: -100}", "not JSON"),

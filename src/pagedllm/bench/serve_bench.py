@@ -105,14 +105,19 @@ def describe_error(exc: BaseException) -> str:
 
 def _carries_output(chunk, chat: bool) -> bool:
     """A chunk that stands for generated tokens: any completions choice; for chat, any choice but
-    the opening one that only announces the assistant's role."""
+    the opening one that only announces the assistant's role. Neither counts a closing chunk that
+    only brings the finish reason, with no text (llama.cpp's server sends one after the last
+    token, and no usage, so its tokens are counted by chunks)."""
     if not chunk.choices:
         return False
-    if not chat:
-        return True
     choice = chunk.choices[0]
+    if not chat:
+        return not (choice.finish_reason is not None and not choice.text)
     delta = choice.delta
-    return not (delta is not None and delta.role and not delta.content and choice.finish_reason is None)
+    content = delta.content if delta is not None else None
+    if choice.finish_reason is not None:
+        return bool(content)
+    return not (delta is not None and delta.role and not content)
 
 
 class Session:
@@ -152,6 +157,7 @@ class Session:
                     record.output_tokens = chunk.usage.completion_tokens
                 if _carries_output(chunk, self.cfg.endpoint == "chat"):
                     record.chunk_s.append(t)
+                if chunk.choices:
                     finished = finished or chunk.choices[0].finish_reason is not None
             if not finished:
                 raise RuntimeError("the stream ended without a finish reason")

@@ -55,7 +55,7 @@ class RequestRecord:
     @property
     def tpot_s(self) -> float | None:
         n = self.num_output_tokens
-        if n < 2 or self.ttft_s is None:
+        if n < 2 or self.ttft_s is None or self.e2e_s is None:  # e2e is None for a failed request
             return None
         return (self.e2e_s - self.ttft_s) / (n - 1)
 
