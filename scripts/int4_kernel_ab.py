@@ -1,0 +1,22 @@
+"""`pagedllm bench step` with the 4-bit kernel or its crossover forced, for A/B runs of the kernel plan.
+
+    .venv/bin/python scripts/int4_kernel_ab.py KERNEL ROWS BATCH   (KERNEL: cpp or torch; ROWS: int4_rows)
+
+e.g. `for k in torch cpp; do .venv/bin/python scripts/int4_kernel_ab.py $k 16 8; done` (alternate,
+repeat). Runs `bench step --batch BATCH --context 192 --steps 40 --dtype bfloat16` with this CPU's
+plan but ``int4_kernel`` and ``int4_rows`` replaced (docs/benchmarks.md, "AVX2 only").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+import pagedllm.engine.engine as engine_module
+from pagedllm.cli import main
+
+kernel, rows, batch = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+plan_kernels = engine_module.plan_kernels
+engine_module.plan_kernels = lambda cpu, dtype: dataclasses.replace(plan_kernels(cpu, dtype), int4_kernel=kernel,
+                                                                     int4_rows=rows)
+sys.exit(main(["bench", "step", "--batch", batch, "--context", "192", "--steps", "40", "--dtype", "bfloat16"]))
