@@ -224,7 +224,8 @@ def main(args) -> dict:
     graceful = True
     try:
         for spec in specs:
-            print(f"starting {spec.label} ({spec.argv[0]}); vLLM's first start compiles for minutes", file=sys.stderr)
+            note = "; vLLM's first start compiles for minutes" if spec.peer == "vllm" else ""
+            print(f"starting {spec.label} ({spec.argv[0]}){note}", file=sys.stderr)
             workers.append(PeerWorker(spec))
         engines = {"pagedllm": lambda prompts, max_tokens: run_pagedllm(llm, prompts, max_tokens)}
         engines.update({worker.spec.label: worker.run for worker in workers})

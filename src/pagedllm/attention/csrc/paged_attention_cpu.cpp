@@ -5,7 +5,8 @@
 // are visited block by block with an online softmax: per block, the running max m, normaliser l
 // and unnormalised accumulator are rescaled by exp(m_old - m_new) -- the log-sum-exp merge.
 // A query at absolute position p sees keys 0..p (causal within the new chunk, all of the cached
-// prefix). Storage may be float32, bfloat16 or float16; maths is float32.
+// prefix). Storage may be float32, bfloat16 or float16; maths is float32 (on AVX512-BF16, the
+// decode scores of a bf16 cache are float32 sums of exact bf16 products: kBf16Dot).
 //
 // Two inner loops compute the same thing. Tiles of many rows (prefill: up to 16 tokens x G heads)
 // run a block as two small GEMMs in registers: scores [rows x keys] = Q K^T from the block's keys
@@ -76,6 +77,17 @@ constexpr bool kScorePairs = false;
 constexpr int kPvRowsMax = 1;
 #endif
 constexpr int kKeyChunk = 64;   // keys per online-softmax step of the tiled path
+
+// AVX512-BF16 (Zen 4, Sapphire Rapids and later): the decode path's Q K^T of a bf16 cache takes
+// its dot products on the stored bits (VDPBF16PS: pairs of bf16 products, exact in float32, summed
+// in float32), so a block's keys are never converted. Not bit-equal to the float32 dot product of
+// the other families (another summation order, denormals read as zero): within the tests' bf16
+// tolerance, and the scale is applied to the score instead of the query.
+#ifdef __AVX512BF16__
+constexpr bool kBf16Dot = true;
+#else
+constexpr bool kBf16Dot = false;
+#endif
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
@@ -374,6 +386,8 @@ void attention_kernel(const T* q, const T* kc, const T* vc, T* out, const int64_
                       int64_t max_blocks, int64_t H, int64_t KH, int64_t head_dim, int64_t B, float scale) {
   const int64_t D = kD > 0 ? kD : head_dim;
   const int64_t G = H / KH;
+  // decode scores by bf16 dot products on the cache's bits (kBf16Dot above)
+  constexpr bool bf16_dot = kBf16Dot && std::is_same_v<T, c10::BFloat16> && kD > 0 && kD % 32 == 0;
   std::vector<Tile> tiles;
   for (int64_t s = 0; s < num_seqs; ++s) {
     for (int64_t r = qsl[s]; r < qsl[s + 1]; r += kQueryTile) {
@@ -450,7 +464,7 @@ void attention_kernel(const T* q, const T* kc, const T* vc, T* out, const int64_
           }
         }
         for (int64_t j = 0; j < n; ++j) {
-          to_float(kb + j * row_stride, &kf[j * D], D);
+          if constexpr (!bf16_dot) to_float(kb + j * row_stride, &kf[j * D], D);
           to_float(vb + j * row_stride, &vf[j * D], D);
         }
         for (int64_t r = 0; r < rows; ++r) {
@@ -463,6 +477,33 @@ void attention_kernel(const T* q, const T* kc, const T* vc, T* out, const int64_
             // 16 keys at a time: one partial-product vector per key, summed across lanes together
             // (reduce16), then the online-softmax step and P V on 16-lane vectors
             constexpr int NV = kD / 16;  // head dim in 16-float vectors, kept in registers
+#ifdef __AVX512BF16__
+            if constexpr (bf16_dot) {
+              constexpr int NB = kD / 32;  // head dim in 32-bf16 vectors
+              const int64_t i = r / G, g = r % G;
+              const T* qb = q + ((tile.q_begin + i) * H + kh * G + g) * kD;
+              __m512bh qv[NB];
+              for (int v = 0; v < NB; ++v) qv[v] = (__m512bh)_mm512_loadu_si512(qb + 32 * v);
+              for (int64_t jc = 0; jc < visible; jc += 16) {
+                v16 part[16];
+                const int64_t count = std::min<int64_t>(16, visible - jc);
+                for (int jj = 0; jj < 16; ++jj) {
+                  if (jj < count) {
+                    const T* kr = kb + (jc + jj) * row_stride;
+                    __m512 dot = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[0], (__m512bh)_mm512_loadu_si512(kr));
+                    for (int v = 1; v < NB; ++v) {
+                      dot = _mm512_dpbf16_ps(dot, qv[v], (__m512bh)_mm512_loadu_si512(kr + 32 * v));
+                    }
+                    part[jj] = (v16)dot;
+                  } else {
+                    part[jj] = v16{};
+                  }
+                }
+                *reinterpret_cast<v16*>(sc + jc) = reduce16(part) * scale;
+              }
+            } else
+#endif
+            {
             v16 qv[NV];
             for (int v = 0; v < NV; ++v) qv[v] = *reinterpret_cast<const v16*>(qr + 16 * v);
             for (int64_t jc = 0; jc < visible; jc += 16) {
@@ -479,6 +520,7 @@ void attention_kernel(const T* q, const T* kc, const T* vc, T* out, const int64_
                 }
               }
               *reinterpret_cast<v16*>(sc + jc) = reduce16(part);
+            }
             }
             const float alpha = softmax_step(sc, visible, visible, m[r], l[r]);
             float* ar = &acc[r * kD];
