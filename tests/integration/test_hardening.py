@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from pagedllm import LLM, BeamSearchParams, SamplingParams
-from pagedllm.engine.sampling_params import RequestOutputKind
-from pagedllm.errors import RequestTooLong
+from pagedllm.engine.sampling_params import TOP_K_MAX, RequestOutputKind
+from pagedllm.errors import InvalidRequest, RequestTooLong
 from tests.integration.test_engine import assert_all_free
 
 
@@ -32,6 +32,31 @@ def test_max_tokens_none_fills_up_to_max_model_len(short_ctx):
     out = short_ctx.generate({"prompt_token_ids": [7] * 63}, SamplingParams(max_tokens=None, temperature=0,
                                                                               ignore_eos=True), use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 1 and out.outputs[0].finish_reason == "length"
+    assert_all_free(short_ctx)
+
+
+# -- issue 21: a request's own fields fail that request when it is added, never the step or engine --
+@pytest.mark.parametrize("prompt,field", [({"prompt_token_ids": [7] * 20, "cache_salt": "\ud800"}, "cache_salt"),
+                                          ("Hello \udc80", "prompt")])
+def test_text_that_is_not_utf8_is_rejected_when_added_and_the_engine_continues(short_ctx, prompt, field):
+    with pytest.raises(InvalidRequest, match=f"{field} is not valid UTF-8 text: a lone surrogate"):
+        short_ctx.generate(prompt, SamplingParams(max_tokens=2), use_tqdm=False)
+    out = short_ctx.generate({"prompt_token_ids": [7] * 20, "cache_salt": "tenant"},
+                             SamplingParams(max_tokens=2, temperature=0, ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 2 and out.outputs[0].finish_reason == "length"
+    assert_all_free(short_ctx)
+
+
+def test_top_k_is_bounded_and_the_largest_accepted_one_samples_next_to_a_greedy_request(short_ctx):
+    with pytest.raises(ValueError, match=r"top_k must be .* in 1\.\.2147483647, got 9223372036854775808"):
+        SamplingParams(top_k=2**63)
+    prompts = [{"prompt_token_ids": [7] * 20}, {"prompt_token_ids": [9] * 20}]
+    params = [SamplingParams(max_tokens=3, temperature=1.0, top_k=TOP_K_MAX, seed=1, ignore_eos=True),
+              SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)]
+    outs = short_ctx.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].finish_reason for o in outs] == ["length", "length"]
+    alone = short_ctx.generate(prompts[1], params[1], use_tqdm=False)[0]
+    assert outs[1].outputs[0].token_ids == alone.outputs[0].token_ids
     assert_all_free(short_ctx)
 
 

@@ -46,6 +46,9 @@ def assert_all_free(ctx) -> None:
     ("/v1/completions", {**COMPLETION, "prompt": [10**9]}, None),
     ("/v1/completions", {**COMPLETION, "prompt": []}, "prompt"),
     ("/v1/completions", {**COMPLETION, "logit_bias": {"70000": 1}}, None),
+    # issue 21: a lone surrogate in the salt killed the engine; a top_k past int64 failed the step
+    ("/v1/completions", {**COMPLETION, "cache_salt": "\ud800"}, None),
+    ("/v1/completions", {**COMPLETION, "top_k": 2**63}, None),
     ("/v1/chat/completions", {**CHAT, "messages": []}, "messages"),
     ("/v1/chat/completions", {**CHAT, "messages": [{"content": "no role"}]}, "messages.0.role"),
     ("/v1/chat/completions", {**CHAT, "top_logprobs": 50}, "top_logprobs"),
@@ -53,7 +56,9 @@ def assert_all_free(ctx) -> None:
 ])
 def test_bad_fields_are_400_naming_the_field(tiny_app, route, body, param):
     client, ctx = tiny_app
-    error = assert_openai_error(client.post(route, json=body), 400, param)
+    # sent as ASCII JSON, escapes and all (the client's own encoder refuses a lone surrogate)
+    r = client.post(route, content=json.dumps(body), headers={"content-type": "application/json"})
+    error = assert_openai_error(r, 400, param)
     assert error["type"] == "invalid_request_error"
     assert client.post("/v1/completions", json=COMPLETION).status_code == 200  # still serving
     assert_all_free(ctx)

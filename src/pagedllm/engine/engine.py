@@ -49,6 +49,16 @@ log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def _require_utf8(text: str, field: str) -> None:
+    """InvalidRequest naming ``field`` unless ``text`` encodes as UTF-8 (JSON lets a client send a
+    lone surrogate such as "\\ud800", which no encoder accepts), checked when the request is added."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidRequest(f"{field} is not valid UTF-8 text: a lone surrogate {text[e.start]!r} at "
+                             f"position {e.start}") from None
+
+
 def resolve_quantization(quantization: str, weights: LoadedWeights, dtype: str, device: str) -> str:
     """``auto`` -> ``gguf`` for a GGUF with Q4_0/Q4_1/Q8_0 tensors on CPU in bf16/fp16 (the fast
     path), else ``none``; an explicit ``gguf`` that cannot apply is an error."""
@@ -177,6 +187,8 @@ class Engine:
             salt = prompt.get("cache_salt")
             if salt is not None and not isinstance(salt, str):
                 raise InvalidRequest("cache_salt must be a string")
+            if salt is not None:
+                _require_utf8(salt, "cache_salt")  # it is encoded when block hashes are computed
             if "prompt_token_ids" in prompt:
                 text = prompt.get("prompt") if isinstance(prompt.get("prompt"), str) else None
                 prompt = prompt["prompt_token_ids"]
@@ -189,6 +201,7 @@ class Engine:
             else:
                 raise InvalidRequest("a prompt dict needs 'prompt' or 'prompt_token_ids'")
         if isinstance(prompt, str):
+            _require_utf8(prompt, "prompt")
             if self.tokenizer is None:
                 raise InvalidRequest("this model has no tokenizer: pass token ids as the prompt")
             ids = self.tokenizer.encode(prompt)

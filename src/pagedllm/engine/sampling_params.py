@@ -39,6 +39,11 @@ def _is_number(v: object) -> bool:
     return isinstance(v, int | float) and not isinstance(v, bool) and v == v  # NaN != NaN
 
 
+# the sampler holds top_k in an int64 tensor and clamps it to the vocabulary: bounded to int32 so any
+# accepted value fits (a larger one would fail the step of every request batched with it)
+TOP_K_MAX = 2**31 - 1
+
+
 def _token_id(v: object, name: str) -> int:
     """An int, numpy or torch integer as a plain non-negative int; ValueError naming ``name``."""
     if isinstance(v, bool):
@@ -165,8 +170,8 @@ class SamplingParams:
             raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
         if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not _is_int(self.top_k) or self.top_k < -1:
-            raise ValueError(f"top_k must be -1 or 0 (disabled) or at least 1, got {self.top_k!r}")
+        if not _is_int(self.top_k) or not -1 <= self.top_k <= TOP_K_MAX:
+            raise ValueError(f"top_k must be -1 or 0 (disabled) or in 1..{TOP_K_MAX}, got {self.top_k!r}")
         if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
         if self.seed is not None and not _is_int(self.seed):
