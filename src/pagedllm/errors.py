@@ -17,6 +17,16 @@ class InvalidRequest(PagedLLMError, ValueError):
     """A request (its prompt or its parameters) is malformed; the engine is unaffected."""
 
 
+def require_utf8(text: str, field: str) -> None:
+    """InvalidRequest naming ``field`` unless ``text`` encodes as UTF-8 (JSON lets a client send a
+    lone surrogate such as "\\ud800", which no encoder or tokenizer accepts)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidRequest(f"{field} is not valid UTF-8 text: a lone surrogate {text[e.start]!r} at "
+                             f"position {e.start}") from None
+
+
 class RequestTooLong(InvalidRequest):
     """A request can never fit: over ``max_model_len`` or over the whole KV block pool."""
 

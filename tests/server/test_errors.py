@@ -49,6 +49,11 @@ def assert_all_free(ctx) -> None:
     # issue 21: a lone surrogate in the salt killed the engine; a top_k past int64 failed the step
     ("/v1/completions", {**COMPLETION, "cache_salt": "\ud800"}, None),
     ("/v1/completions", {**COMPLETION, "top_k": 2**63}, None),
+    ("/v1/completions", {**COMPLETION, "prompt": "Hi \ud800"}, None),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "Hi \udc80"}]}, "messages"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "us\ud800er", "content": "Hi"}]}, "messages"),
+    ("/tokenize", {"prompt": "Hi \ud800"}, "prompt"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "\udc80"}]}, "messages"),
     ("/v1/chat/completions", {**CHAT, "messages": []}, "messages"),
     ("/v1/chat/completions", {**CHAT, "messages": [{"content": "no role"}]}, "messages.0.role"),
     ("/v1/chat/completions", {**CHAT, "top_logprobs": 50}, "top_logprobs"),

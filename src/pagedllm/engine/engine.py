@@ -33,7 +33,7 @@ from pagedllm.engine.request import Request, RequestStatus
 from pagedllm.engine.sampling_params import SamplingParams
 from pagedllm.engine.scheduler import Scheduler, SchedulerOutput
 from pagedllm.engine.structured_output import StructuredOutputManager
-from pagedllm.errors import ConfigError, InvalidRequest, RequestTooLong
+from pagedllm.errors import ConfigError, InvalidRequest, RequestTooLong, require_utf8
 from pagedllm.kvcache.factory import make_kv_manager
 from pagedllm.kvstore.host_tier import HostTier
 from pagedllm.kvstore.storage import KVCacheStorage, bytes_per_block, num_blocks_for
@@ -47,16 +47,6 @@ from pagedllm.models.tokenizer import Tokenizer
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def _require_utf8(text: str, field: str) -> None:
-    """InvalidRequest naming ``field`` unless ``text`` encodes as UTF-8 (JSON lets a client send a
-    lone surrogate such as "\\ud800", which no encoder accepts), checked when the request is added."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise InvalidRequest(f"{field} is not valid UTF-8 text: a lone surrogate {text[e.start]!r} at "
-                             f"position {e.start}") from None
 
 
 def resolve_quantization(quantization: str, weights: LoadedWeights, dtype: str, device: str) -> str:
@@ -188,7 +178,7 @@ class Engine:
             if salt is not None and not isinstance(salt, str):
                 raise InvalidRequest("cache_salt must be a string")
             if salt is not None:
-                _require_utf8(salt, "cache_salt")  # it is encoded when block hashes are computed
+                require_utf8(salt, "cache_salt")  # it is encoded when block hashes are computed
             if "prompt_token_ids" in prompt:
                 text = prompt.get("prompt") if isinstance(prompt.get("prompt"), str) else None
                 prompt = prompt["prompt_token_ids"]
@@ -201,7 +191,7 @@ class Engine:
             else:
                 raise InvalidRequest("a prompt dict needs 'prompt' or 'prompt_token_ids'")
         if isinstance(prompt, str):
-            _require_utf8(prompt, "prompt")
+            require_utf8(prompt, "prompt")
             if self.tokenizer is None:
                 raise InvalidRequest("this model has no tokenizer: pass token ids as the prompt")
             ids = self.tokenizer.encode(prompt)

@@ -15,12 +15,19 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 import pagedllm
+from pagedllm.errors import InvalidRequest, require_utf8
 from pagedllm.server.chat import create_chat_completion
 from pagedllm.server.completions import create_completion
 from pagedllm.server.dashboard import install_dashboard
 from pagedllm.server.errors import OpenAIError, install_error_handlers
 from pagedllm.server.metrics import engine_snapshot
-from pagedllm.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from pagedllm.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    conversation,
+)
 from pagedllm.server.serving import ClientDisconnected, ServerContext
 
 DEFAULT_MAX_BODY_BYTES = 8 * 2**20
@@ -105,11 +112,15 @@ def build_app(ctx: ServerContext, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) 
             raise OpenAIError(400, "this model has no tokenizer")
         if (req.prompt is None) == (req.messages is None):
             raise OpenAIError(400, "give exactly one of 'prompt' or 'messages'", "prompt")
-        if req.messages is not None:
-            conversation = [{"role": m.role, "content": m.text()} for m in req.messages]
-            tokens = ctx.tokenizer.apply_chat_template(conversation, add_generation_prompt=req.add_generation_prompt)
-        else:
-            tokens = ctx.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        try:
+            if req.messages is not None:
+                tokens = ctx.tokenizer.apply_chat_template(conversation(req.messages),
+                                                           add_generation_prompt=req.add_generation_prompt)
+            else:
+                require_utf8(req.prompt, "prompt")
+                tokens = ctx.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        except InvalidRequest as exc:
+            raise OpenAIError(400, str(exc), "messages" if req.messages is not None else "prompt") from None
         limit = ctx.engine.engine.config.scheduler.max_model_len
         return {"tokens": tokens, "count": len(tokens), "max_model_len": limit}
 

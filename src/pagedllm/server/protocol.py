@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from pagedllm.engine.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
+from pagedllm.errors import require_utf8
 
 STRUCTURED_OUTPUTS_KEYS = frozenset(f.name for f in dataclasses.fields(StructuredOutputsParams))
 NonNegInt = Annotated[int, Field(ge=0)]
@@ -158,7 +159,7 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
 
     def conversation(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+        return conversation(self.messages)
 
 
 class TokenizeRequest(_Request):
@@ -172,3 +173,13 @@ class TokenizeRequest(_Request):
 class DetokenizeRequest(_Request):
     model: str | None = None
     tokens: list[int]
+
+
+def conversation(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """The messages as the chat template takes them; InvalidRequest naming a role or content that
+    is not valid UTF-8 (the tokenizer would raise a TypeError on it)."""
+    out = [{"role": m.role, "content": m.text()} for m in messages]
+    for i, message in enumerate(out):
+        for key, text in message.items():
+            require_utf8(text, f"messages.{i}.{key}")
+    return out
