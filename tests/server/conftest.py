@@ -4,12 +4,14 @@ random Llama with SmolLM2's tokenizer for the error paths."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import httpx
@@ -61,6 +63,47 @@ class ServerProcess:
                 self.proc.kill()
                 self.proc.wait()
         return self.proc.returncode, self.read_output()
+
+
+@contextlib.contextmanager
+def serve_on_thread(app, config=None):
+    """Serve ``app`` with uvicorn on a thread, on a free loopback port; yields its base URL.
+    ``config``: a function (app, host, port) -> ``uvicorn.Config`` (default: uvicorn's own)."""
+    import uvicorn
+
+    port = free_port()
+    config = (config or (lambda a, h, p: uvicorn.Config(a, host=h, port=p, log_level="warning")))(app, "127.0.0.1",
+                                                                                                  port)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+@contextlib.contextmanager
+def engine_held(ctx):
+    """Hold the engine thread between two steps until the block exits."""
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        held.set()
+        release.wait(60)
+
+    done = ctx.engine.call(hold)
+    try:
+        assert held.wait(60), "the engine thread never ran the hold"
+        yield
+    finally:
+        release.set()
+        done.result(60)
 
 
 @pytest.fixture(scope="session")

@@ -19,7 +19,6 @@ again otherwise.
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import json
 import os
 import random
@@ -31,11 +30,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-import uvicorn
 from playwright.sync_api import sync_playwright
 
 from pagedllm.server.app import build_app
-from tests.server.conftest import free_port, tiny_context
+from tests.server.conftest import engine_held, serve_on_thread, tiny_context
 from tests.server.test_metrics import samples
 
 CHROMIUM = shutil.which("chromium")
@@ -114,35 +112,9 @@ def live_server(tiny_folder):
     """(url, ServerContext): the app over the tiny Llama, served by uvicorn on a thread."""
     ctx = tiny_context(tiny_folder, num_kv_blocks=256, block_size=8, max_num_seqs=8)
     ctx.max_queue = 64
-    server = uvicorn.Server(uvicorn.Config(build_app(ctx), host="127.0.0.1", port=free_port(), log_level="warning"))
-    thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{server.config.port}", ctx
-    server.should_exit = True
-    thread.join(30)
+    with serve_on_thread(build_app(ctx)) as url:
+        yield url, ctx
     ctx.engine.shutdown()
-
-
-@contextlib.contextmanager
-def engine_held(ctx):
-    """Hold the engine thread between two steps until the block exits."""
-    held, release = threading.Event(), threading.Event()
-
-    def hold() -> None:
-        held.set()
-        release.wait(60)
-
-    done = ctx.engine.call(hold)
-    try:
-        assert held.wait(60), "the engine thread never ran the hold"
-        yield
-    finally:
-        release.set()
-        done.result(60)
 
 
 # What the page shows, read in one go (JavaScript runs one task at a time, so this is one update).

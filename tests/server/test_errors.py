@@ -100,16 +100,24 @@ def test_api_key_is_required_on_v1_routes_only(tiny_app):
 
 def test_a_full_queue_is_429_with_retry_after(tiny_app):
     client, ctx = tiny_app
-    limit = ctx.engine.engine.config.scheduler.max_num_seqs + ctx.max_queue
-    ctx.engine.num_unfinished = limit  # as if that many requests were in the engine
+    ctx.admitted = ctx.capacity  # as if that many sequences were admitted
     try:
         r = client.post("/v1/completions", json=COMPLETION)
         assert assert_openai_error(r, 429)["code"] == "queue_full"
         assert r.headers["retry-after"] == "1"
         assert_openai_error(client.post("/v1/chat/completions", json=CHAT), 429)
+        # issue 21: sequences are counted (prompts x n), not prompts
+        ctx.admitted = ctx.capacity - 2
+        assert_openai_error(client.post("/v1/completions", json={**COMPLETION, "n": 3}), 429)
+        assert_openai_error(client.post("/v1/chat/completions", json={**CHAT, "n": 3}), 429)
+        assert_openai_error(client.post("/v1/completions", json={**COMPLETION, "prompt": [[5, 6]] * 3}), 429)
     finally:
-        ctx.engine.num_unfinished = 0
-    assert client.post("/v1/completions", json=COMPLETION).status_code == 200
+        ctx.admitted = 0
+    # a request larger than the whole capacity can never be admitted: 400, not a 429 to retry
+    too_many = {**COMPLETION, "prompt": [[5, 6]] * (ctx.capacity // 2 + 1), "n": 2}
+    assert_openai_error(client.post("/v1/completions", json=too_many), 400, "n")
+    assert client.post("/v1/completions", json={**COMPLETION, "n": 3}).status_code == 200
+    assert ctx.admitted == 0  # every admitted sequence given back
 
 
 def test_a_failing_step_fails_its_requests_and_the_next_one_succeeds(tiny_app):

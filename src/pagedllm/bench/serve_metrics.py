@@ -103,7 +103,7 @@ def summarize(records: list[RequestRecord], duration_s: float) -> dict:
         "completed": len(done),
         "failed": len(failed),
         "errors": dict(Counter(r.error or "no end of stream" for r in failed).most_common(10)),
-        "duration_s": round(duration_s, 3),
+        "duration_s": round(duration_s, 6),
         "total_input_tokens": prompt,
         "total_output_tokens": output,
         "requested_output_tokens": sum(r.requested_output_len for r in done),

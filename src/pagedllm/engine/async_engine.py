@@ -57,6 +57,20 @@ class RequestStream:
         self.engine, self.request_id, self.loop = engine, request_id, loop
         self.queue: asyncio.Queue = asyncio.Queue()
         self.finished = False
+        self._on_done: list[Callable[[], None]] = []
+
+    def on_done(self, fn: Callable[[], None]) -> None:
+        """Call ``fn()`` once, when the stream ends: finished, failed, closed or dropped unread."""
+        if self.finished:
+            fn()
+        else:
+            self._on_done.append(fn)
+
+    def _end(self) -> None:
+        self.finished = True
+        callbacks, self._on_done = self._on_done, []
+        for fn in callbacks:
+            fn()
 
     def put(self, item: RequestOutput | BaseException) -> None:  # engine thread
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
@@ -69,14 +83,15 @@ class RequestStream:
             raise StopAsyncIteration
         item = await self.queue.get()
         if isinstance(item, BaseException):
-            self.finished = True
+            self._end()
             raise item
-        self.finished = item.finished
+        if item.finished:
+            self._end()
         return item
 
     def close(self) -> None:
         if not self.finished:
-            self.finished = True
+            self._end()
             self.engine.abort(self.request_id)
 
     async def aclose(self) -> None:

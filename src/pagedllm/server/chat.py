@@ -57,7 +57,6 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     top = req.top_logprobs or 0
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     params = req.sampling_params(max_tokens, top if req.logprobs else None)
-    ctx.check_capacity(1)
     request_id = new_id("chatcmpl")
     outputs = merge(await add_prompts(ctx, [{"prompt_token_ids": prompt_ids, **_salt(req)}], params, request_id,
                                    req.constraint_field), req.constraint_field)

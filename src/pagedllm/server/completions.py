@@ -72,7 +72,6 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Req
     want_logprobs = req.logprobs is not None
     params = req.sampling_params(req.max_tokens, req.logprobs,
                                  prompt_logprobs=req.logprobs if req.echo and want_logprobs else None)
-    ctx.check_capacity(len(prompts))
     request_id = new_id("cmpl")
     field = req.constraint_field
     outputs = merge(await add_prompts(ctx, prompts, params, request_id, field), field)  # bad: 400

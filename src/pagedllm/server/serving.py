@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
@@ -41,6 +42,8 @@ class ServerContext:
     metrics: ServerMetrics
     api_key: str | None = None
     created: int = field(default_factory=lambda: int(time.time()))
+    admitted: int = 0  # sequences (prompts x n) admitted and not yet ended; see ``admit``
+    _admit_lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     @property
     def tokenizer(self):
@@ -51,14 +54,47 @@ class ServerContext:
             raise OpenAIError(404, f"the model `{name}` does not exist; this server serves `{self.model_name}`",
                               "model", "model_not_found")
 
-    def check_capacity(self, num_prompts: int) -> None:
-        """429 when the requests waiting for a slot would exceed ``max_queue``."""
+    @property
+    def capacity(self) -> int:
+        """Most sequences admitted at once: a full batch running plus ``max_queue`` waiting."""
+        return self.engine.engine.config.scheduler.max_num_seqs + self.max_queue
+
+    def admit(self, num_seqs: int) -> Admission:
+        """Admit a request of ``num_seqs`` sequences (prompts x ``n``) or refuse it: 429 with
+        ``Retry-After`` when the admitted ones would exceed ``capacity``, 400 when the request alone
+        does (no retry could succeed). Checked and counted in one step under a lock, so concurrent
+        requests cannot all pass one check; the count falls as each stream ends (``Admission``)."""
         if not self.engine.healthy:
             raise OpenAIError(503, "the engine is not running", code="engine_dead")
-        running = self.engine.engine.config.scheduler.max_num_seqs
-        if self.engine.num_unfinished + num_prompts > running + self.max_queue:
-            raise OpenAIError(429, f"the server is busy: more than {self.max_queue} requests are waiting; retry later",
-                              code="queue_full", headers={"Retry-After": "1"})
+        if num_seqs > self.capacity:
+            raise OpenAIError(400, f"this request asks for {num_seqs} sequences (prompts x n), more than the "
+                              f"{self.capacity} this server admits at once", "n")
+        with self._admit_lock:
+            if self.admitted + num_seqs > self.capacity:
+                raise OpenAIError(429, f"the server is busy: {self.admitted} sequences admitted, at most "
+                                  f"{self.capacity}; retry later", code="queue_full", headers={"Retry-After": "1"})
+            self.admitted += num_seqs
+        return Admission(self, num_seqs)
+
+    def _release(self, num_seqs: int) -> None:
+        with self._admit_lock:
+            self.admitted -= num_seqs
+
+
+class Admission:
+    """The sequences one request was admitted with; each ``release`` gives some back, never more
+    than were admitted (so a stream that ends twice, or an error path after it, cannot undercount)."""
+
+    def __init__(self, ctx: ServerContext, num_seqs: int) -> None:
+        self.ctx, self.remaining = ctx, num_seqs
+        self._lock = threading.Lock()
+
+    def release(self, num_seqs: int | None = None) -> None:
+        with self._lock:
+            k = self.remaining if num_seqs is None else min(num_seqs, self.remaining)
+            self.remaining -= k
+        if k:
+            self.ctx._release(k)
 
 
 def new_id(prefix: str) -> str:
@@ -86,16 +122,21 @@ async def compile_constraint(ctx: ServerContext, params: SamplingParams, field: 
 
 async def add_prompts(ctx: ServerContext, prompts: list, params: SamplingParams,
                       request_id: str, constraint_field: str = "response_format") -> list[RequestStream]:
-    """Validate and queue one engine request per prompt: all of them, or none (the first error is
-    raised, e.g. ``InvalidRequest`` -> 400, before any response starts)."""
-    await compile_constraint(ctx, params, constraint_field)
+    """Admit (``ServerContext.admit``), validate and queue one engine request per prompt: all of
+    them, or none (the first error is raised, e.g. ``InvalidRequest`` -> 400, before any response
+    starts). Each stream gives its ``n`` sequences back to the admission count when it ends."""
+    admission = ctx.admit(len(prompts) * params.n)
     streams: list[RequestStream] = []
     try:
+        await compile_constraint(ctx, params, constraint_field)
         for i, p in enumerate(prompts):
-            streams.append(await ctx.engine.add_request(f"{request_id}-{i}", p, params))
+            stream = await ctx.engine.add_request(f"{request_id}-{i}", p, params)
+            stream.on_done(lambda: admission.release(params.n))
+            streams.append(stream)
     except BaseException:
         for stream in streams:
             stream.close()
+        admission.release()
         raise
     return streams
 
