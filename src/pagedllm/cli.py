@@ -184,9 +184,15 @@ def cmd_serve(args) -> int:
         if options.get("model") not in (None, args.model_path):
             raise ValueError("give the model once: as MODEL or as --model")
         options["model"] = args.model_path
+    from pagedllm.server.limits import ServerLimits
+
+    limits = ServerLimits(max_prompt_bytes=args.max_prompt_bytes, max_logit_bias=args.max_logit_bias,
+                          max_stop=args.max_stop, default_chat_max_tokens=args.default_chat_max_tokens,
+                          header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout)
     return serve(options, host=args.host, port=args.port, api_key=args.api_key,
                  served_model_name=args.served_model_name, max_queue=args.max_queue,
-                 max_body_bytes=args.max_body_bytes, uvicorn_log_level=args.uvicorn_log_level)
+                 max_body_bytes=args.max_body_bytes, uvicorn_log_level=args.uvicorn_log_level, limits=limits,
+                 guard_metrics=args.guard_metrics)
 
 
 def cmd_bench(args) -> int:
@@ -245,8 +251,21 @@ def make_parser() -> argparse.ArgumentParser:
                      help="local .gguf file or HF folder (same as --model)")
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on (loopback by default)")
     srv.add_argument("--port", type=int, default=8000)
-    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* "
-                                                     "(default: $PAGEDLLM_API_KEY, else no key)")
+    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize, "
+                     "/detokenize and /dashboard/state (default: $PAGEDLLM_API_KEY, else no key)")
+    srv.add_argument("--guard-metrics", action="store_true", help="with --api-key, guard /metrics too "
+                                                                  "(open by default, for scrapers, as vLLM's)")
+    srv.add_argument("--max-prompt-bytes", type=int, default=None,
+                     help="refuse prompt text over this many UTF-8 bytes before tokenizing it (default: "
+                          "max_model_len x the vocabulary's longest token, in bytes)")
+    srv.add_argument("--max-logit-bias", type=int, default=1024, help="most logit_bias entries per request")
+    srv.add_argument("--max-stop", type=int, default=64, help="most stop strings per request")
+    srv.add_argument("--default-chat-max-tokens", type=int, default=None,
+                     help="max_tokens of a chat request that gives none (default: the rest of the context)")
+    srv.add_argument("--header-timeout", type=float, default=10.0,
+                     help="seconds a client has to send a request's headers (slow clients are disconnected)")
+    srv.add_argument("--body-timeout", type=float, default=30.0,
+                     help="seconds a client has to send a request's body after its headers (else 408)")
     srv.add_argument("--served-model-name", default=None, help="the model name clients send "
                                                                "(default: MODEL, or the model file's name)")
     srv.add_argument("--max-queue", type=int, default=1024,

@@ -9,6 +9,9 @@ issue's reproduction)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
+import socket
 import threading
 import time
 
@@ -16,10 +19,15 @@ import httpx
 import pytest
 
 from pagedllm.server.app import build_app
+from pagedllm.server.limits import ServerLimits
+from pagedllm.server.serve import uvicorn_config
 from tests.server.conftest import serve_on_thread, tiny_context
 from tests.server.test_errors import assert_all_free, assert_openai_error
 
 NORMAL = {"prompt": [5, 6, 7, 8], "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "temperature": 0}
+LIMITS = ServerLimits(header_timeout_s=1.0, body_timeout_s=1.0, max_logit_bias=8, max_stop=4, max_stop_chars=32,
+                      default_chat_max_tokens=5)
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +35,8 @@ def hostile(tiny_folder):
     """(url, ServerContext, the normal request's expected token ids)."""
     ctx = tiny_context(tiny_folder, num_kv_blocks=256, block_size=8, max_num_seqs=8)
     ctx.max_queue = 64
-    with serve_on_thread(build_app(ctx)) as url:
+    ctx.limits = LIMITS
+    with serve_on_thread(build_app(ctx), lambda app, host, port: uvicorn_config(app, host, port, LIMITS)) as url:
         expected = httpx.post(url + "/v1/completions", json=NORMAL, timeout=60)
         assert expected.status_code == 200, expected.text
         yield url, ctx, expected.json()["choices"][0]["text"]
@@ -83,4 +92,167 @@ def test_admission_is_counted_atomically_under_concurrency(hostile):
     for r in busy:
         assert assert_openai_error(r, 429)["code"] == "queue_full" and r.headers["retry-after"] == "1"
     assert all(r.json()["choices"][0]["text"] == expected for r in ok)
+    assert_still_serving(url, ctx, expected)
+
+
+# (route, raw JSON body, status, param): each must be refused at the edge with its 4xx, naming
+# the field, while a normal request sent alongside completes.
+HOSTILE = [
+    ("/v1/completions", json.dumps({**NORMAL, "max_tokens": True}), 400, "max_tokens"),  # a bool is no int
+    ("/v1/completions", json.dumps({**NORMAL, "n": 2.0}), 400, "n"),
+    ("/v1/completions", json.dumps({**NORMAL, "temperature": float("nan")}), 400, "temperature"),  # NaN literal
+    ("/v1/completions", json.dumps({**NORMAL, "top_p": float("inf")}), 400, "top_p"),  # Infinity literal
+    ("/v1/completions", json.dumps({**NORMAL, "logit_bias": {"5": float("-inf")}}), 400, "logit_bias.5"),
+    ("/v1/completions", json.dumps({**NORMAL, "logprobs": "2"}), 400, "logprobs"),  # a string is no int
+    ("/v1/completions", json.dumps({**NORMAL, "cache_salt": ""}), 400, "cache_salt"),  # "" would equal no salt
+    ("/v1/completions", json.dumps({**NORMAL, "logit_bias": {str(i): 1 for i in range(9)}}), 400, "logit_bias"),
+    ("/v1/completions", json.dumps({**NORMAL, "stop": ["a", "b", "c", "d", "e"]}), 400, "stop"),
+    ("/v1/completions", json.dumps({**NORMAL, "stop": "x" * 33}), 400, "stop"),
+    ("/v1/chat/completions", json.dumps({**CHAT, "stop": ["a"] * 5}), 400, "stop"),
+    ("/v1/completions", json.dumps({**NORMAL, "model": "\ud800"}), 400, "model"),
+    ("/v1/completions", json.dumps({**NORMAL, "top_k": 2**63}), 400, None),
+    ("/v1/completions", json.dumps({**NORMAL, "seed": 2**64}), None, None),  # any seed is fine (reduced)
+]
+
+
+@pytest.mark.parametrize("route,body,status,param", HOSTILE)
+def test_a_hostile_request_fails_alone(hostile, route, body, status, param):
+    url, ctx, expected = hostile
+
+    async def run():
+        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+            bad = client.post(route, content=body, headers={"content-type": "application/json"})
+            good = client.post("/v1/completions", json=NORMAL)
+            return await asyncio.gather(bad, good)
+
+    bad, good = asyncio.run(run())
+    if status is None:
+        assert bad.status_code == 200, bad.text
+    else:
+        assert_openai_error(bad, status, param)
+    assert good.status_code == 200 and good.json()["choices"][0]["text"] == expected
+    assert_still_serving(url, ctx, expected)
+
+
+def test_prompt_text_too_long_to_fit_is_refused_before_tokenizing(hostile, monkeypatch):
+    """Past ``max_model_len`` x the longest token's bytes, text cannot fit: 400 before any
+    tokenizing (before the fix a 1M-token prompt was tokenized first, on the engine thread or, for
+    /tokenize, on the event loop). Text that may fit is tokenized on a worker thread."""
+    url, ctx, expected = hostile
+    tokenizer = ctx.tokenizer
+    calls: list[str] = []
+    for name in ("encode", "apply_chat_template"):
+        original = getattr(tokenizer, name)
+
+        def spy(*args, _original=original, **kwargs):
+            calls.append(threading.current_thread().name)
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(tokenizer, name, spy)
+    limit = ctx.max_prompt_bytes
+    assert limit == ctx.engine.engine.config.scheduler.max_model_len * max(
+        len(t.encode("utf-8")) for t in tokenizer.hf.get_vocab())
+    text = "word " * (limit // 5 + 1)
+    for route, body, param in [("/v1/completions", {**NORMAL, "prompt": text}, "prompt"),
+                               ("/v1/completions", {**NORMAL, "prompt": ["Hi", text]}, "prompt"),
+                               ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": text}]},
+                                "messages"),
+                               ("/tokenize", {"prompt": text}, "prompt")]:
+        r = httpx.post(url + route, json=body, timeout=60)
+        assert assert_openai_error(r, 400, param)["code"] == "context_length_exceeded"
+    assert len(calls) <= 1 and all(c.startswith("asyncio") for c in calls)  # only the short "Hi", if any
+    calls.clear()
+    for route, body in [("/v1/completions", {**NORMAL, "prompt": "Hello there"}), ("/tokenize", {"prompt": "Hi"}),
+                        ("/v1/chat/completions", CHAT)]:
+        assert httpx.post(url + route, json=body, timeout=60).status_code == 200
+    # on a worker thread: neither the event loop's (uvicorn) nor the engine's
+    assert calls and all(c.startswith("asyncio") for c in calls), calls
+    assert_still_serving(url, ctx, expected)
+
+
+def test_a_chat_without_max_tokens_gets_the_default(hostile):
+    url, ctx, expected = hostile
+    body = {k: v for k, v in CHAT.items() if k != "max_tokens"}
+    r = httpx.post(url + "/v1/chat/completions", json={**body, "ignore_eos": True}, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == LIMITS.default_chat_max_tokens
+    assert r.json()["choices"][0]["finish_reason"] == "length"
+
+
+def test_api_key_guards_tokenizer_and_dashboard_data(hostile):
+    url, ctx, expected = hostile
+    for guard_metrics in (False, True):
+        keyed = dataclasses.replace(ctx, api_key="s3cret", guard_metrics=guard_metrics)
+        with serve_on_thread(build_app(keyed)) as keyed_url, httpx.Client(base_url=keyed_url, timeout=60) as client:
+            for method, path, body in [("POST", "/tokenize", {"prompt": "Hi"}),
+                                       ("POST", "/detokenize", {"tokens": [5, 6]}),
+                                       ("GET", "/dashboard/state", None),
+                                       ("POST", "/v1/completions", NORMAL)]:
+                assert_openai_error(client.request(method, path, json=body), 401)
+                ok = client.request(method, path, json=body, headers={"Authorization": "Bearer s3cret"})
+                assert ok.status_code == 200, (path, ok.text)
+            assert client.get("/dashboard").status_code == 200  # the page holds no data
+            assert client.get("/health").status_code == 200
+            assert client.get("/metrics").status_code == (401 if guard_metrics else 200)
+            assert client.get("/metrics", headers={"Authorization": "Bearer s3cret"}).status_code == 200
+    assert_still_serving(url, ctx, expected)
+
+
+def test_a_chunked_body_over_the_limit_is_413(hostile):
+    url, ctx, expected = hostile
+    chunk = b'{"prompt": "' + b"a" * 65536
+
+    def chunks():  # no Content-Length: sent with Transfer-Encoding: chunked
+        for _ in range(200):
+            yield chunk
+
+    r = httpx.post(url + "/v1/completions", content=chunks(), headers={"content-type": "application/json"},
+                   timeout=60)
+    assert assert_openai_error(r, 413)["code"] == "body_too_large"
+    assert_still_serving(url, ctx, expected)
+
+
+def _raw(url: str) -> socket.socket:
+    host, port = url.removeprefix("http://").split(":")
+    return socket.create_connection((host, int(port)), timeout=30)
+
+
+def _read_response(sock: socket.socket) -> tuple[str, bytes]:
+    """One HTTP response off a raw socket: (status line and headers, the Content-Length body)."""
+    sock.settimeout(30)
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        assert chunk, f"the connection closed before a response: {data!r}"
+        data += chunk
+    head, body = data.split(b"\r\n\r\n", 1)
+    length = int(next(line.split(b":", 1)[1] for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length:")))
+    while len(body) < length:
+        chunk = sock.recv(65536)
+        assert chunk, "the connection closed mid-body"
+        body += chunk
+    return head.decode(), body
+
+
+def test_slow_headers_are_cut_off_and_a_slow_body_is_408(hostile):
+    """A client that never finishes its headers is disconnected after the header timeout; one that
+    never finishes its body gets 408. Before, both connections stayed open forever."""
+    url, ctx, expected = hostile
+    silent, slowloris, slow_body = _raw(url), _raw(url), _raw(url)
+    try:
+        slowloris.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-A: ")
+        slow_body.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                          b"Content-Length: 100\r\n\r\n{\"prompt\": ")
+        time.sleep(LIMITS.header_timeout_s * 0.5)
+        slowloris.sendall(b"still-typing")  # more bytes do not extend the deadline
+        deadline = time.monotonic() + LIMITS.header_timeout_s + 20
+        for sock in (silent, slowloris):
+            sock.settimeout(max(0.1, deadline - time.monotonic()))
+            assert sock.recv(4096) == b""  # closed by the server
+        head, body = _read_response(slow_body)
+        assert head.startswith("HTTP/1.1 408"), head
+        assert json.loads(body)["error"]["code"] == "body_timeout"
+    finally:
+        for sock in (silent, slowloris, slow_body):
+            sock.close()
     assert_still_serving(url, ctx, expected)

@@ -8,6 +8,7 @@ gives no tokenizer: such a model takes token-id prompts only.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -67,6 +68,13 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         return len(self.hf)
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """An upper bound on the UTF-8 bytes of text one token stands for: the vocabulary's longest
+        token string, in UTF-8 bytes (byte-level BPE spells each byte as one 2-byte character,
+        SentencePiece a space as a 3-byte one: both over-count, never under-count)."""
+        return max(len(token.encode("utf-8", "surrogatepass")) for token in self.hf.get_vocab())
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))

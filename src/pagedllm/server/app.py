@@ -1,9 +1,10 @@
 """The FastAPI application: OpenAI-compatible routes, health, version, metrics and the dashboard.
 
 ``build_app(ctx)`` wires the routes of ``completions.py`` and ``chat.py`` to one ``ServerContext``.
-Two pure-ASGI middlewares guard every request before FastAPI sees it: a body-size limit (413,
-checked on ``Content-Length`` and while the body streams in) and the API key (401 on ``/v1/*``
-routes when the server has one, as vLLM does). Errors are OpenAI-shaped (``server/errors.py``).
+Two pure-ASGI middlewares guard every request before FastAPI sees it: the body, read whole
+first (413 past the size limit, declared or streamed; 408 when it arrives too slowly), and the API
+key (401 on the OpenAI, tokenizer and dashboard-data routes when the server has one).
+Errors are OpenAI-shaped (``server/errors.py``).
 """
 
 from __future__ import annotations
@@ -15,11 +16,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 import pagedllm
-from pagedllm.errors import InvalidRequest, require_utf8
+from pagedllm.errors import InvalidRequest
 from pagedllm.server.chat import create_chat_completion
 from pagedllm.server.completions import create_completion
 from pagedllm.server.dashboard import install_dashboard
-from pagedllm.server.errors import OpenAIError, install_error_handlers
+from pagedllm.server.errors import ENGINE_DEAD, OpenAIError, install_error_handlers
 from pagedllm.server.metrics import engine_snapshot
 from pagedllm.server.protocol import (
     ChatCompletionRequest,
@@ -33,11 +34,13 @@ from pagedllm.server.serving import ClientDisconnected, ServerContext
 DEFAULT_MAX_BODY_BYTES = 8 * 2**20
 
 
-class _BodyLimit:
-    """413 for a body over ``limit`` bytes (declared or streamed)."""
+class _Body:
+    """Reads each request's whole body before the app sees it: 413 past ``limit`` bytes (declared
+    in Content-Length or streamed in chunks), 408 when it has not all arrived ``timeout_s`` after
+    the headers. The app then reads the buffered body (what FastAPI would buffer anyway)."""
 
-    def __init__(self, app, limit: int) -> None:
-        self.app, self.limit = app, limit
+    def __init__(self, app, limit: int, timeout_s: float) -> None:
+        self.app, self.limit, self.timeout_s = app, limit, timeout_s
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -46,28 +49,52 @@ class _BodyLimit:
         too_big = OpenAIError(413, f"the request body is larger than {self.limit} bytes", code="body_too_large")
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
             return await too_big.response()(scope, receive, send)
+        chunks: list[bytes] = []
         seen = 0
+        deadline = asyncio.get_running_loop().time() + self.timeout_s
+        while True:
+            try:
+                async with asyncio.timeout_at(deadline):
+                    message = await receive()
+            except TimeoutError:
+                late = OpenAIError(408, f"the request body did not arrive within {self.timeout_s:g} s",
+                                   code="body_timeout")
+                return await late.response()(scope, receive, send)
+            if message["type"] == "http.disconnect":
+                return None  # the client left before sending its body: nothing to answer
+            chunks.append(message.get("body", b""))
+            seen += len(chunks[-1])
+            if seen > self.limit:
+                return await too_big.response()(scope, receive, send)
+            if not message.get("more_body", False):
+                break
+        body, replayed = b"".join(chunks), False
 
-        async def limited_receive():
-            nonlocal seen
-            message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.limit:
-                    raise too_big
-            return message
+        async def buffered_receive():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # after the body: the disconnect, when it comes
 
-        return await self.app(scope, limited_receive, send)
+        return await self.app(scope, buffered_receive, send)
+
+
+# What ``--api-key`` guards: the OpenAI routes, the tokenizer routes and the dashboard's data (the
+# page and its assets hold none, so a browser can load them and send the key from ``#key=``).
+GUARDED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/dashboard/state")
 
 
 class _ApiKey:
-    """401 on /v1/* without ``Authorization: Bearer <key>``."""
+    """401 without ``Authorization: Bearer <key>`` on the guarded routes (and ``/metrics`` when
+    ``guard_metrics``); ``/health``, ``/version`` and ``/metrics`` stay open, as vLLM's do."""
 
-    def __init__(self, app, key: str) -> None:
+    def __init__(self, app, key: str, guard_metrics: bool = False) -> None:
         self.app, self.expected = app, f"Bearer {key}".encode()
+        self.prefixes = GUARDED_PREFIXES + (("/metrics",) if guard_metrics else ())
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+        if scope["type"] == "http" and scope["path"].startswith(self.prefixes):
             given = dict(scope.get("headers", ())).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
                 error = OpenAIError(401, "missing or wrong API key (send 'Authorization: Bearer <key>')",
@@ -81,8 +108,8 @@ def build_app(ctx: ServerContext, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) 
     app.state.ctx = ctx
     install_error_handlers(app)
     if ctx.api_key:
-        app.add_middleware(_ApiKey, key=ctx.api_key)
-    app.add_middleware(_BodyLimit, limit=max_body_bytes)
+        app.add_middleware(_ApiKey, key=ctx.api_key, guard_metrics=ctx.guard_metrics)
+    app.add_middleware(_Body, limit=max_body_bytes, timeout_s=ctx.limits.body_timeout_s)
     install_dashboard(app, ctx)
 
     @app.post("/v1/completions")
@@ -114,11 +141,10 @@ def build_app(ctx: ServerContext, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) 
             raise OpenAIError(400, "give exactly one of 'prompt' or 'messages'", "prompt")
         try:
             if req.messages is not None:
-                tokens = ctx.tokenizer.apply_chat_template(conversation(req.messages),
-                                                           add_generation_prompt=req.add_generation_prompt)
+                tokens = await ctx.apply_chat_template(conversation(req.messages),
+                                                       add_generation_prompt=req.add_generation_prompt)
             else:
-                require_utf8(req.prompt, "prompt")
-                tokens = ctx.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+                tokens = await ctx.tokenize(req.prompt, "prompt", add_special_tokens=req.add_special_tokens)
         except InvalidRequest as exc:
             raise OpenAIError(400, str(exc), "messages" if req.messages is not None else "prompt") from None
         limit = ctx.engine.engine.config.scheduler.max_model_len
@@ -138,7 +164,8 @@ def build_app(ctx: ServerContext, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) 
     @app.get("/health")
     async def health():
         if not ctx.engine.healthy:
-            return JSONResponse({"status": "error", "error": repr(ctx.engine.dead)}, status_code=503)
+            # never the exception's text: it may quote a request's input
+            return JSONResponse({"status": "error", "error": ENGINE_DEAD}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/version")

@@ -25,12 +25,13 @@ from pagedllm.server.serving import (
 )
 
 
-def chat_prompt_ids(ctx: ServerContext, req: ChatCompletionRequest) -> list[int]:
-    """The conversation through the chat template, as token ids (400 if the model has none)."""
+async def chat_prompt_ids(ctx: ServerContext, req: ChatCompletionRequest) -> list[int]:
+    """The conversation through the chat template, as token ids (400 if the model has none), sized
+    and rendered off the event loop (``ServerContext.apply_chat_template``)."""
     if ctx.tokenizer is None:
         raise OpenAIError(400, "this model has no tokenizer, so no chat template; use /v1/completions", "messages")
     try:
-        return ctx.tokenizer.apply_chat_template(req.conversation(), add_generation_prompt=req.add_generation_prompt)
+        return await ctx.apply_chat_template(req.conversation(), add_generation_prompt=req.add_generation_prompt)
     except ValueError as exc:
         raise OpenAIError(400, str(exc), "messages") from None
 
@@ -53,9 +54,12 @@ def chat_logprobs(c: CompletionOutput, top: int) -> list[dict]:
 
 async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest, raw: Request):
     ctx.check_model(req.model)
-    prompt_ids = chat_prompt_ids(ctx, req)
+    ctx.check_costs(req)
+    prompt_ids = await chat_prompt_ids(ctx, req)
     top = req.top_logprobs or 0
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    if max_tokens is None:  # --default-chat-max-tokens, else the rest of the context
+        max_tokens = ctx.limits.default_chat_max_tokens
     params = req.sampling_params(max_tokens, top if req.logprobs else None)
     request_id = new_id("chatcmpl")
     outputs = merge(await add_prompts(ctx, [{"prompt_token_ids": prompt_ids, **_salt(req)}], params, request_id,

@@ -63,6 +63,7 @@ def _echo_prefix(ctx: ServerContext, out: RequestOutput) -> str:
 
 async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Request):
     ctx.check_model(req.model)
+    ctx.check_costs(req)
     prompts = req.prompts()
     if not prompts:
         raise OpenAIError(400, "prompt must not be empty", "prompt")

@@ -27,8 +27,12 @@ from pagedllm.errors import InvalidRequest, PagedLLMError, RequestTooLong
 log = logging.getLogger(__name__)
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+          405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error",
+          429: "rate_limit_error",
           500: "internal_server_error", 503: "service_unavailable"}
+
+
+ENGINE_DEAD = "the engine has stopped, so no request can be served until the server restarts"
 
 
 class OpenAIError(Exception):
@@ -40,7 +44,9 @@ class OpenAIError(Exception):
         self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": _TYPES.get(self.status, "invalid_request_error"),
+        # a message quoting client input may hold a lone surrogate: escape it, or rendering fails
+        message = self.message.encode("utf-8", "backslashreplace").decode("utf-8")
+        return {"error": {"message": message, "type": _TYPES.get(self.status, "invalid_request_error"),
                           "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
@@ -67,8 +73,8 @@ def as_openai_error(exc: BaseException) -> OpenAIError:
         return OpenAIError(400, str(exc), _param_of(str(exc)))
     if isinstance(exc, EngineShutdown):
         return OpenAIError(503, str(exc), code="shutting_down")
-    if isinstance(exc, EngineDeadError):
-        return OpenAIError(503, str(exc), code="engine_dead")
+    if isinstance(exc, EngineDeadError):  # its text names the internal exception: kept for the log
+        return OpenAIError(503, ENGINE_DEAD, code="engine_dead")
     if isinstance(exc, PagedLLMError):
         return OpenAIError(500, str(exc))
     log.error("unexpected error while serving a request", exc_info=exc)

@@ -4,7 +4,8 @@ Shapes follow the OpenAI API and vLLM's extensions (``top_k``, ``min_p``, ``repe
 ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``cache_salt``, ``structured_outputs``, ...).
 ``response_format`` (``json_object``, ``json_schema``) and vLLM's ``structured_outputs`` become a
 ``StructuredOutputsParams`` (``json_schema`` is enforced whether ``strict`` or not). Unknown fields are
-ignored, as vLLM does, so clients that send newer OpenAI fields keep working. A value that
+ignored, as vLLM does, so clients that send newer OpenAI fields keep working; known ones are typed
+strictly (no booleans as integers, no numbers as strings, no NaN or Infinity). A value that
 ``SamplingParams`` rejects becomes a 400 naming the field (see ``server/errors.py``).
 """
 
@@ -24,7 +25,8 @@ MAX_N = 128  # most choices per request, as OpenAI
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # strict: a boolean is not an integer, "3" not a number; no NaN or Infinity (issue 21)
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(_Request):
@@ -76,7 +78,7 @@ class SamplingFields(_Request):
     include_stop_str_in_output: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    cache_salt: str | None = None
+    cache_salt: Annotated[str, Field(min_length=1)] | None = None  # "" would equal no salt: refused
     response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None  # vLLM's extension: json / regex / choice / grammar / ...
     user: str | None = None

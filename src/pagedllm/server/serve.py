@@ -17,8 +17,10 @@ import uvicorn
 from pagedllm.engine.async_engine import AsyncEngine
 from pagedllm.engine.engine import Engine
 from pagedllm.server.app import build_app
+from pagedllm.server.limits import ServerLimits
 from pagedllm.server.metrics import ServerMetrics
 from pagedllm.server.serving import ServerContext
+from pagedllm.server.timeouts import header_timeout_protocol
 
 log = logging.getLogger("pagedllm.serve")
 
@@ -50,20 +52,30 @@ def startup_line(engine: Engine, url: str, model_name: str) -> str:
             f"{stats['num_blocks'] * per_block / 2**20:.0f} MiB ({kv.layout}) | {engine.kernels_line()}")
 
 
+def uvicorn_config(app, host: str, port: int, limits: ServerLimits | None = None,
+                   log_level: str = "warning") -> uvicorn.Config:
+    """uvicorn's config for ``app``: h11 with the header read timeout (``server/timeouts.py``)."""
+    limits = limits or ServerLimits()
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
+                          timeout_graceful_shutdown=10, http=header_timeout_protocol(limits.header_timeout_s))
+
+
 def serve(options: dict, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           served_model_name: str | None = None, max_queue: int = 1024, max_body_bytes: int | None = None,
-          uvicorn_log_level: str = "warning") -> int:
+          uvicorn_log_level: str = "warning", limits: ServerLimits | None = None,
+          guard_metrics: bool = False) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     metrics = ServerMetrics()
     # built on the engine thread: the main thread (uvicorn's) never runs a torch parallel region
     async_engine = AsyncEngine(lambda: Engine.from_options(**options), on_output=metrics.on_output)
     engine = async_engine.engine
     model_name = served_model_name or options.get("model") or engine.model_path.stem
+    limits = limits or ServerLimits()
     ctx = ServerContext(async_engine, model_name, max_queue, metrics,
-                        api_key=api_key or os.environ.get("PAGEDLLM_API_KEY") or None)
+                        api_key=api_key or os.environ.get("PAGEDLLM_API_KEY") or None, guard_metrics=guard_metrics,
+                        limits=limits)
     app = build_app(ctx, **({"max_body_bytes": max_body_bytes} if max_body_bytes else {}))
-    config = uvicorn.Config(app, host=host, port=port, log_level=uvicorn_log_level, access_log=False,
-                            timeout_graceful_shutdown=10)
+    config = uvicorn_config(app, host, port, limits, uvicorn_log_level)
     server = _Server(config, async_engine)
     log.info(startup_line(engine, f"http://{host}:{port}", model_name))
     try:

@@ -25,9 +25,13 @@ from pagedllm.engine.async_engine import AsyncEngine, RequestStream
 from pagedllm.engine.outputs import RequestOutput
 from pagedllm.engine.sampling_params import SamplingParams
 from pagedllm.engine.structured_output import GRAMMAR_REJECTED
-from pagedllm.errors import InvalidRequest
+from pagedllm.errors import InvalidRequest, require_utf8
 from pagedllm.server.errors import OpenAIError
+from pagedllm.server.limits import ServerLimits
 from pagedllm.server.metrics import ServerMetrics
+
+STEP_FAILED = ("the engine step running this request failed, so it was not completed; other requests are "
+               "unaffected and a retry may succeed (the cause is in the server's log)")
 
 
 class ClientDisconnected(Exception):
@@ -41,7 +45,9 @@ class ServerContext:
     max_queue: int
     metrics: ServerMetrics
     api_key: str | None = None
+    guard_metrics: bool = False  # --api-key guards /metrics too
     created: int = field(default_factory=lambda: int(time.time()))
+    limits: ServerLimits = field(default_factory=ServerLimits)
     admitted: int = 0  # sequences (prompts x n) admitted and not yet ended; see ``admit``
     _admit_lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
@@ -50,9 +56,67 @@ class ServerContext:
         return self.engine.engine.tokenizer
 
     def check_model(self, name: str | None) -> None:
+        if name is not None:
+            try:
+                require_utf8(name, "model")
+            except InvalidRequest as exc:
+                raise OpenAIError(400, str(exc), "model") from None
         if name is not None and name != self.model_name:
             raise OpenAIError(404, f"the model `{name}` does not exist; this server serves `{self.model_name}`",
                               "model", "model_not_found")
+
+    def check_costs(self, req) -> None:
+        """400 for per-request work past ``ServerLimits``: too many ``logit_bias`` entries, stop
+        strings, or too long a stop string (each costs work on every step of the request)."""
+        limits = self.limits
+        if req.logit_bias is not None and len(req.logit_bias) > limits.max_logit_bias:
+            raise OpenAIError(400, f"logit_bias has {len(req.logit_bias)} entries; at most {limits.max_logit_bias} "
+                              "are accepted", "logit_bias")
+        stops = [req.stop] if isinstance(req.stop, str) else req.stop or []
+        if len(stops) > limits.max_stop:
+            raise OpenAIError(400, f"stop has {len(stops)} strings; at most {limits.max_stop} are accepted", "stop")
+        longest = max((len(s) for s in stops), default=0)
+        if longest > limits.max_stop_chars:
+            raise OpenAIError(400, f"a stop string is {longest} characters long; at most {limits.max_stop_chars} "
+                              "are accepted", "stop")
+
+    @property
+    def max_prompt_bytes(self) -> int | None:
+        """The most UTF-8 bytes of prompt text worth tokenizing (``ServerLimits.max_prompt_bytes``,
+        or derived: ``max_model_len`` x the vocabulary's longest token, in bytes)."""
+        if self.limits.max_prompt_bytes is not None:
+            return self.limits.max_prompt_bytes
+        if self.tokenizer is None:
+            return None
+        if "_derived_prompt_bytes" not in self.__dict__:
+            self.__dict__["_derived_prompt_bytes"] = (self.engine.engine.config.scheduler.max_model_len
+                                                      * self.tokenizer.max_token_bytes)
+        return self.__dict__["_derived_prompt_bytes"]
+
+    def check_prompt_bytes(self, num_bytes: int, field: str) -> None:
+        """400 ``context_length_exceeded`` for prompt text too long to fit, before tokenizing it."""
+        limit = self.max_prompt_bytes
+        if limit is not None and num_bytes > limit:
+            max_len = self.engine.engine.config.scheduler.max_model_len
+            raise OpenAIError(400, f"{field} is {num_bytes} bytes of text, more than the {limit} that "
+                              f"{max_len} tokens (max_model_len) can hold; it was not tokenized", field,
+                              "context_length_exceeded")
+
+    async def tokenize(self, text: str, field: str = "prompt", **kwargs) -> list[int]:
+        """``text`` as token ids, checked for UTF-8 and size first, encoded on a worker thread
+        (never the event loop, nor the engine thread between two steps)."""
+        try:
+            require_utf8(text, field)
+        except InvalidRequest as exc:
+            raise OpenAIError(400, str(exc), field) from None
+        self.check_prompt_bytes(len(text.encode("utf-8")), field)
+        return await asyncio.to_thread(self.tokenizer.encode, text, **kwargs)
+
+    async def apply_chat_template(self, messages: list[dict[str, str]], **kwargs) -> list[int]:
+        """A conversation through the chat template, size-checked first, on a worker thread."""
+        self.check_prompt_bytes(sum(len(m["content"].encode("utf-8")) + len(m["role"].encode("utf-8"))
+                                    for m in messages), "messages")
+        return await asyncio.to_thread(self.tokenizer.apply_chat_template, messages, **kwargs)
 
     @property
     def capacity(self) -> int:
@@ -128,6 +192,7 @@ async def add_prompts(ctx: ServerContext, prompts: list, params: SamplingParams,
     admission = ctx.admit(len(prompts) * params.n)
     streams: list[RequestStream] = []
     try:
+        prompts = [await _tokenized(ctx, p) for p in prompts]
         await compile_constraint(ctx, params, constraint_field)
         for i, p in enumerate(prompts):
             stream = await ctx.engine.add_request(f"{request_id}-{i}", p, params)
@@ -139,6 +204,19 @@ async def add_prompts(ctx: ServerContext, prompts: list, params: SamplingParams,
         admission.release()
         raise
     return streams
+
+
+async def _tokenized(ctx: ServerContext, prompt):
+    """A text prompt (alone or in a prompt dict) with its token ids added, so the engine thread
+    never tokenizes: the text is size-checked first and encoded on a worker thread."""
+    if isinstance(prompt, str):
+        prompt = {"prompt": prompt}
+    elif not isinstance(prompt, dict) or "prompt_token_ids" in prompt:
+        return prompt
+    text = prompt.get("prompt")
+    if not isinstance(text, str) or ctx.tokenizer is None:
+        return prompt
+    return {**prompt, "prompt_token_ids": await ctx.tokenize(text)}
 
 
 async def merge(streams: list[RequestStream],
@@ -167,7 +245,8 @@ async def merge(streams: list[RequestStream],
                 if item.error.startswith(GRAMMAR_REJECTED):  # the request's constraint, not the server
                     raise OpenAIError(400, f"{item.error.splitlines()[0]} (the constraint cannot be met with "
                                       "this model's tokens)", constraint_field, "invalid_response_format")
-                raise OpenAIError(500, item.error, code="engine_step_failed")
+                # the cause (an internal exception's text) is in the server's log, never the reply
+                raise OpenAIError(500, STEP_FAILED, code="engine_step_failed")
             yield i, item
     finally:
         for stream in streams:

@@ -224,9 +224,17 @@
     el.classList.toggle("error", error);
   }
 
+  // With --api-key the state needs the key: the page reads it from its URL's fragment
+  // (/dashboard#key=KEY), which the browser never sends to the server or puts in its logs.
+  function authHeaders() {
+    const key = new URLSearchParams(location.hash.slice(1)).get("key");
+    return key ? { Authorization: `Bearer ${key}` } : {};
+  }
+
   async function poll() {
     try {
-      const r = await fetch("dashboard/state", { cache: "no-store" });
+      const r = await fetch("dashboard/state", { cache: "no-store", headers: authHeaders() });
+      if (r.status === 401) throw new Error("this server needs its API key: open /dashboard#key=KEY");
       if (!r.ok) throw new Error(`HTTP ${r.status}`);
       update(await r.json());
       setStatus(`live, every ${INTERVAL_MS} ms`, false);
