@@ -1,6 +1,7 @@
 """`pagedllm bench step` with the 4-bit kernel or its crossover forced, for A/B runs of the kernel plan.
 
-    .venv/bin/python scripts/int4_kernel_ab.py KERNEL ROWS BATCH   (KERNEL: cpp or torch; ROWS: int4_rows)
+    .venv/bin/python scripts/int4_kernel_ab.py KERNEL ROWS BATCH [Q8_ROWS]
+    (KERNEL: cpp or torch; ROWS: int4_rows; Q8_ROWS: q8_0_rows, default the plan's)
 
 e.g. `for k in torch cpp; do .venv/bin/python scripts/int4_kernel_ab.py $k 16 8; done` (alternate,
 repeat). Runs `bench step --batch BATCH --context 192 --steps 40 --dtype bfloat16` with this CPU's
@@ -16,7 +17,8 @@ import pagedllm.engine.engine as engine_module
 from pagedllm.cli import main
 
 kernel, rows, batch = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+q8 = {"q8_0_rows": int(sys.argv[4])} if len(sys.argv) > 4 else {}
 plan_kernels = engine_module.plan_kernels
 engine_module.plan_kernels = lambda cpu, dtype: dataclasses.replace(plan_kernels(cpu, dtype), int4_kernel=kernel,
-                                                                     int4_rows=rows)
+                                                                     int4_rows=rows, **q8)
 sys.exit(main(["bench", "step", "--batch", batch, "--context", "192", "--steps", "40", "--dtype", "bfloat16"]))

@@ -225,12 +225,14 @@ def test_bf16_engine_prepacks_weights_and_logits_equal_dense():
     int4 = Int4BlockMatmul if plan.int4_kernel == "cpp" else Int4Matmul
     assert isinstance(qkv.small_batch, int4) and qkv.max_rows == plan.int4_rows
     # ...and the LM head on its Q8_0 blocks, or (AVX-512 without BF16) the bf16 weight natively
-    # packed for one row, half float32's bytes
+    # packed for one row, half float32's bytes, or (AMX) the packed dense head at every size
     head = model.lm_head
     if plan.q8_0_rows:
         assert isinstance(head.small_batch, Int8BlockMatmul) and head.max_rows == plan.q8_0_rows
-    else:
+    elif plan.native_head_rows:
         assert isinstance(head.small_batch, NativePackedMatmul) and head.max_rows == plan.native_head_rows
+    else:
+        assert head.small_batch is None
     small = torch.randn(1, model.config.hidden_size, generator=torch.Generator().manual_seed(1)).bfloat16()
     exact = torch.nn.functional.linear(small.float(), model.embed_tokens.weight.float())
     tol = 2**-7 if plan.q8_0_rows == 0 else 3e-2  # Q8_0 blocks are the GGUF's weights, not the bf16 table's

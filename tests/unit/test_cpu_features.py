@@ -90,7 +90,7 @@ def test_each_family_packs_only_what_onednn_packs_there(family):
 
 # family -> (GEMM dtype of a bf16 model, packed, int4 rows, Q8_0 rows, bf16-packed 1-row head)
 BF16_PLANS = {
-    "amx": (torch.bfloat16, True, 8, 8, 0),
+    "amx": (torch.bfloat16, True, 1, 0, 0),
     "avx512_bf16": (torch.bfloat16, True, 8, 8, 0),
     "avx512": (torch.float32, True, 16, 0, 1),
     "avx2": (torch.float32, True, 16, 16, 0),

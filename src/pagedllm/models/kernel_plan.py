@@ -16,8 +16,13 @@ trying and catching:
   natively (AVX-512 without BF16: half float32's bytes), else the dense kernel.
 
 The crossovers, measured with weights streaming from DRAM as in the engine:
-AVX-512 with BF16/AMX (bf16 GEMMs): 4-bit and Q8_0 up to 8 rows (decode at batch 2/4/8 1.76x /
-1.37x / 1.05x faster than the prepacked bf16 weights). AVX-512 without BF16 (float32 GEMMs): the
+AVX-512 with BF16 (bf16 GEMMs): 4-bit and Q8_0 up to 8 rows (decode at batch 2/4/8 1.76x /
+1.37x / 1.05x faster than the prepacked bf16 weights). AMX (Xeon with AMX-BF16, 2 cores, session
+12), a bf16 model: the 4-bit kernel at 1 row only and never the Q8_0 head. ``bench matmul``: per
+layer 0.097 (4-bit) vs 0.118 ms (packed bf16) at 1 row, 0.118 vs 0.122 at 2, 0.311 vs 0.129 at
+8; the head 6.4 ms (Q8_0) vs 1.26 (packed bf16) at 1 row. ``scripts/int4_kernel_ab.py torch ROWS
+BATCH Q8_ROWS``, ms per step, two rounds: batch 1 13.8 / 13.6 with (8, 8) against 8.8 / 8.7 with
+(1, 0); batch 8 68.0 / 67.5 against 22.0 / 21.9. (A float32 model there keeps (8, 8): unmeasured.) AVX-512 without BF16 (float32 GEMMs): the
 4-bit kernel up to 16 rows (34 vs 41 ms at 16, 80 vs 60 ms at 32 over 30 layers), the Q8_0 head
 never (8.9 vs 6.8 ms at 1 row) but the natively packed bf16 head at 1 row (4.6 vs 6.2 ms).
 AVX2 without AVX-512 (float32 GEMMs; AMD EPYC 7B13, 2 cores): our C++ 4-bit kernel
@@ -85,6 +90,9 @@ def plan_kernels(cpu: CpuFeatures, dtype: torch.dtype) -> KernelPlan:
         # 1 row against 0.15 with bf16 ones and 0.29 for the dense float32 GEMM (a one-off timing loop
         # on the AVX2 EPYC; bench matmul times the kernels with bf16 activations only)
         int4_rows, q8_0_rows, native_head = 0, 16, 0
+    elif not widened and cpu.family == "amx" and dtype == torch.bfloat16:
+        # AMX tiles make the packed bf16 GEMM win from 2 rows, and the bf16 head at every size
+        int4_rows, q8_0_rows, native_head = 1, 0, 0
     elif not widened:
         int4_rows, q8_0_rows, native_head = 8, 8, 0
     elif cpu.avx512:
