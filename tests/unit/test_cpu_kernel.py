@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedllm.attention.cpu_kernel import CpuBackend, load_cpu_kernel
+from pagedllm import cpu_features
+from pagedllm.attention.cpu_kernel import CpuBackend, dense_prefill_rows, load_cpu_kernel
 from pagedllm.attention.reference import ReferenceBackend
 from tests.unit.test_reference_attention import HEAD_DIM, assert_matches_reference, build_case, run_and_compare
 
@@ -37,6 +38,26 @@ def test_ragged_decode_and_chunked_prefill_batch(backend, dtype):
 def test_gqa_ratios_and_block_sizes(backend, num_heads, num_kv_heads, block_size):
     run_and_compare([(30, 1), (50, 12), (block_size, 1), (3, 3), (2 * block_size + 5, 20)],
                     block_size=block_size, num_heads=num_heads, num_kv_heads=num_kv_heads, backend=backend)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(9, 3), (4, 4)])
+def test_fresh_bf16_prefills_through_sdpa_match_dense(backend, num_heads, num_kv_heads):
+    """With ``set_dense_prefill_min_rows(16)``, fresh bf16 prefills of >= 16 rows attend through
+    torch's SDPA over K/V gathered from the pool (across blocks); the others in the same batch
+    (shorter, chunked with a cached prefix, decode) keep the kernel. Every family runs this path
+    here, whatever its own setting (AMX only, ``DENSE_PREFILL_MIN_ROWS``)."""
+    seqs = [(40, 40), (30, 1), (17, 17), (100, 33), (16, 16), (15, 15)]
+    calls = {}
+    try:
+        for rows in (16, 0):
+            backend.ops.set_dense_prefill_min_rows(rows)
+            with torch.profiler.profile() as prof:
+                run_and_compare(seqs, dtype=torch.bfloat16, backend=backend, num_heads=num_heads,
+                                num_kv_heads=num_kv_heads)
+            calls[rows] = sum(e.count for e in prof.key_averages() if e.key == "aten::scaled_dot_product_attention")
+        assert calls[16] - calls[0] == 3  # (40, 40), (17, 17), (16, 16); the dense reference makes the rest
+    finally:
+        backend.ops.set_dense_prefill_min_rows(dense_prefill_rows(cpu_features.current()))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -15,9 +15,23 @@ import torch
 from pagedllm.attention.base import AttentionBackend
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.cpu_extension import CppExtension
+from pagedllm.cpu_features import CpuFeatures, current
 
 EXTENSION = CppExtension("pagedllm_cpu", Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp",
                          "the C++ paged-attention kernel", "using the reference backend")
+
+
+# Fresh bf16 prefills (no cached prefix) of at least this many rows attend through torch's SDPA
+# (its flash-attention kernel: bf16 GEMMs on AMX tiles) on AMX CPUs. Measured on a 2-core AMX Xeon
+# (session 12, docs/benchmarks.md): prompt tok/s at 1x1024 3062 / 3182 with our kernel, 4154 /
+# 4069 with this path from 128 rows; 8x1024 3164 / 3135 -> 3897 / 3505 (from 64 rows: 4175 /
+# 3965). Elsewhere unmeasured, so never (0).
+DENSE_PREFILL_MIN_ROWS = {"amx": 128}
+
+
+def dense_prefill_rows(cpu: CpuFeatures) -> int:
+    """From how many rows a fresh bf16 prefill attends through SDPA on ``cpu`` (0: never)."""
+    return DENSE_PREFILL_MIN_ROWS.get(cpu.family, 0)
 
 
 def load_cpu_kernel():
@@ -36,6 +50,8 @@ class CpuBackend(AttentionBackend):
         self.ops = module or load_cpu_kernel()
         if self.ops is None:
             raise RuntimeError(f"the C++ kernel is unavailable: {EXTENSION.failure}")
+        self.dense_prefill_rows = dense_prefill_rows(current())
+        self.ops.set_dense_prefill_min_rows(self.dense_prefill_rows)  # per process, the same for all
 
     def write_kv(self, k_cache, v_cache, key, value, meta: AttentionMetadata) -> None:
         self.ops.store_kv(key, value, k_cache, v_cache, meta.slot_mapping)

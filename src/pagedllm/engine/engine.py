@@ -159,7 +159,9 @@ class Engine:
         print it); on a GPU, the device."""
         if self.kernel_plan is None:
             return f"device {self.config.device}"
-        return f"CPU {cpu_features.current().describe()}: {self.kernel_plan.describe()}"
+        line = f"CPU {cpu_features.current().describe()}: {self.kernel_plan.describe()}"
+        rows = getattr(self.runner.backend, "dense_prefill_rows", 0)
+        return line + (f"; fresh prefills of >= {rows} rows attend through SDPA" if rows else "")
 
     # -- requests -------------------------------------------------------------------------------
     PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")

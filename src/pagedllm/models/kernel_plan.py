@@ -22,7 +22,8 @@ AVX-512 with BF16 (bf16 GEMMs): 4-bit and Q8_0 up to 8 rows (decode at batch 2/4
 layer 0.097 (4-bit) vs 0.118 ms (packed bf16) at 1 row, 0.118 vs 0.122 at 2, 0.311 vs 0.129 at
 8; the head 6.4 ms (Q8_0) vs 1.26 (packed bf16) at 1 row. ``scripts/int4_kernel_ab.py torch ROWS
 BATCH Q8_ROWS``, ms per step, two rounds: batch 1 13.8 / 13.6 with (8, 8) against 8.8 / 8.7 with
-(1, 0); batch 8 68.0 / 67.5 against 22.0 / 21.9. (A float32 model there keeps (8, 8): unmeasured.) AVX-512 without BF16 (float32 GEMMs): the
+(1, 0); batch 8 68.0 / 67.5 against 22.0 / 21.9. (A float32 model there keeps (8, 8): unmeasured.)
+AVX-512 without BF16 (float32 GEMMs): the
 4-bit kernel up to 16 rows (34 vs 41 ms at 16, 80 vs 60 ms at 32 over 30 layers), the Q8_0 head
 never (8.9 vs 6.8 ms at 1 row) but the natively packed bf16 head at 1 row (4.6 vs 6.2 ms).
 AVX2 without AVX-512 (float32 GEMMs; AMD EPYC 7B13, 2 cores): our C++ 4-bit kernel

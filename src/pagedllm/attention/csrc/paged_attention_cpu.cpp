@@ -383,13 +383,15 @@ inline std::vector<int64_t> schedule(const std::vector<Tile>& tiles, const std::
 template <typename T, int kD>
 void attention_kernel(const T* q, const T* kc, const T* vc, T* out, const int64_t* qsl,
                       const int64_t* seq_lens, const int64_t* tables, int64_t num_seqs,
-                      int64_t max_blocks, int64_t H, int64_t KH, int64_t head_dim, int64_t B, float scale) {
+                      int64_t max_blocks, int64_t H, int64_t KH, int64_t head_dim, int64_t B, float scale,
+                      const char* skip) {
   const int64_t D = kD > 0 ? kD : head_dim;
   const int64_t G = H / KH;
   // decode scores by bf16 dot products on the cache's bits (kBf16Dot above)
   constexpr bool bf16_dot = kBf16Dot && std::is_same_v<T, c10::BFloat16> && kD > 0 && kD % 32 == 0;
   std::vector<Tile> tiles;
   for (int64_t s = 0; s < num_seqs; ++s) {
+    if (skip != nullptr && skip[s]) continue;  // attended elsewhere (dense_prefill)
     for (int64_t r = qsl[s]; r < qsl[s + 1]; r += kQueryTile) {
       tiles.push_back({s, r, std::min<int64_t>(r + kQueryTile, qsl[s + 1])});
     }
@@ -641,7 +643,32 @@ void check_layout(const torch::Tensor& qsl, const torch::Tensor& lens, const tor
   }
 }
 
+// Fresh prefills (every row of the sequence new, no cached prefix) of at least this many rows, in
+// bf16, go to torch's scaled_dot_product_attention over their K/V gathered from the pool: its
+// flash-attention CPU kernel runs Q K^T and P V as bf16 GEMMs (AMX tiles where the CPU has them).
+// 0: never. A per-process setting, chosen once from the CPU's features (cpu_kernel.py), not state.
+std::atomic<int64_t> dense_prefill_min_rows{0};
+
+// One fresh prefill: rows [q0, q0 + L) of `query` attend causally to the sequence's own L keys.
+void dense_prefill(const torch::Tensor& query, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                   torch::Tensor& out, int64_t q0, int64_t L, const int64_t* table, double scale) {
+  const int64_t B = k_cache.size(1), KH = k_cache.size(2), D = k_cache.size(3);
+  auto slots = torch::empty({L}, torch::kLong);
+  int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t i = 0; i < L; ++i) sp[i] = table[i / B] * B + i % B;
+  auto k = k_cache.view({-1, KH, D}).index_select(0, slots).permute({1, 0, 2}).unsqueeze(0);
+  auto v = v_cache.view({-1, KH, D}).index_select(0, slots).permute({1, 0, 2}).unsqueeze(0);
+  auto q = query.narrow(0, q0, L).permute({1, 0, 2}).unsqueeze(0);
+  auto o = at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true, scale, /*enable_gqa=*/true);
+  out.narrow(0, q0, L).copy_(o.squeeze(0).permute({1, 0, 2}));
+}
+
 }  // namespace
+
+void set_dense_prefill_min_rows(int64_t rows) {
+  TORCH_CHECK(rows >= 0, "dense_prefill_min_rows must be >= 0");
+  dense_prefill_min_rows.store(rows);
+}
 
 // query [T, H, D]; caches [NB, B, KH, D]; query_start_loc [S+1], seq_lens [S], block_tables [S, MB] (int64)
 torch::Tensor paged_attention(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
@@ -657,11 +684,23 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor k_cache, torch:
   const int64_t H = query.size(1), D = query.size(2), B = k_cache.size(1), KH = k_cache.size(2);
   TORCH_CHECK(H % KH == 0 && D == k_cache.size(3), "head shapes do not match the cache");
   check_layout(qsl, lens, tables, query.size(0), k_cache.size(0), B);
+  const int64_t S = lens.size(0), min_rows = dense_prefill_min_rows.load();
+  std::vector<char> dense(S, 0);
+  bool any_dense = false;
+  if (min_rows > 0 && query.scalar_type() == at::kBFloat16) {
+    const int64_t* q = qsl.data_ptr<int64_t>();
+    const int64_t* l = lens.data_ptr<int64_t>();
+    for (int64_t s = 0; s < S; ++s) {
+      dense[s] = q[s + 1] - q[s] >= min_rows && q[s + 1] - q[s] == l[s];
+      any_dense = any_dense || dense[s];
+    }
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_attention", [&] {
     auto run = [&](auto kernel) {
       kernel(query.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
              out.data_ptr<scalar_t>(), qsl.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
-             tables.data_ptr<int64_t>(), lens.size(0), tables.size(1), H, KH, D, B, static_cast<float>(scale));
+             tables.data_ptr<int64_t>(), lens.size(0), tables.size(1), H, KH, D, B, static_cast<float>(scale),
+             any_dense ? dense.data() : nullptr);
     };
     switch (D) {
       case 32: run(attention_kernel<scalar_t, 32>); break;
@@ -670,6 +709,13 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor k_cache, torch:
       default: run(attention_kernel<scalar_t, 0>); break;
     }
   });
+  for (int64_t s = 0; any_dense && s < S; ++s) {
+    if (dense[s]) {
+      const int64_t q0 = qsl.data_ptr<int64_t>()[s];
+      dense_prefill(query, k_cache, v_cache, out, q0, qsl.data_ptr<int64_t>()[s + 1] - q0,
+                    tables.data_ptr<int64_t>() + s * tables.size(1), scale);
+    }
+  }
   return out;
 }
 
@@ -766,6 +812,8 @@ torch::Tensor store_and_attend(torch::Tensor query, torch::Tensor key, torch::Te
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "paged attention over a block table (CPU)");
+  m.def("set_dense_prefill_min_rows", &set_dense_prefill_min_rows,
+        "fresh bf16 prefills of at least this many rows attend through torch's SDPA (0: never)");
   m.def("store_kv", &store_kv, "store K/V rows into their slots (CPU)");
   m.def("store_and_attend", &store_and_attend, "store K/V rows, then paged attention (CPU)");
   m.def("rope_store_attend", &rope_store_attend, "RoPE on q/k, store K/V, paged attention (CPU)");
