@@ -17,6 +17,8 @@ import time
 
 import httpx
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from pagedllm.server.app import build_app
 from pagedllm.server.limits import ServerLimits
@@ -256,3 +258,42 @@ def test_slow_headers_are_cut_off_and_a_slow_body_is_408(hostile):
         for sock in (silent, slowloris, slow_body):
             sock.close()
     assert_still_serving(url, ctx, expected)
+
+
+# generated hostile values: strings with lone surrogates and control characters, integers at and
+# past 2^31 / 2^63, NaN and infinities, booleans, nested containers
+hostile_strings = st.text(alphabet=st.characters(codec=None, categories=None), max_size=12) | st.sampled_from(
+    ["\ud800", "a\udfffb", "\x00", "\x1b[2J", "\u202e", "\ufeff", "x" * 2000])
+hostile_numbers = st.sampled_from([2**31 - 1, 2**31, -2**31 - 1, 2**63 - 1, 2**63, -2**63 - 1, 2**64, 10**30, -1, 0,
+                                   float("nan"), float("inf"), float("-inf"), 1e308, -0.0, 1.5])
+hostile_values = st.recursive(st.none() | st.booleans() | hostile_numbers | hostile_strings,
+                              lambda children: st.lists(children, max_size=3)
+                              | st.dictionaries(hostile_strings, children, max_size=3), max_leaves=6)
+FIELDS = ["prompt", "max_tokens", "temperature", "top_p", "top_k", "min_p", "n", "stop", "stop_token_ids", "seed",
+          "logprobs", "echo", "logit_bias", "stream", "min_tokens", "model", "presence_penalty", "frequency_penalty",
+          "repetition_penalty", "cache_salt", "ignore_eos", "skip_special_tokens", "response_format",
+          "structured_outputs", "messages", "max_completion_tokens", "top_logprobs", "user"]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(route=st.sampled_from(["/v1/completions", "/v1/chat/completions"]),
+       fields=st.dictionaries(st.sampled_from(FIELDS), hostile_values, min_size=1, max_size=3))
+def test_generated_hostile_fields_fail_alone(hostile, route, fields):
+    """Any field set to a hostile value: the request gets a 200 or a 4xx in the OpenAI shape (never
+    a 5xx), a normal request sent beside it completes with the expected text, the engine lives."""
+    url, ctx, expected = hostile
+    base = dict(NORMAL) if route == "/v1/completions" else dict(CHAT)
+    body = json.dumps({**base, **fields, "max_tokens": fields.get("max_tokens", 2)}, allow_nan=True)
+
+    async def run():
+        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+            bad = client.post(route, content=body, headers={"content-type": "application/json"})
+            good = client.post("/v1/completions", json=NORMAL)
+            return await asyncio.gather(bad, good)
+
+    bad, good = asyncio.run(run())
+    assert bad.status_code < 500, bad.text
+    if bad.status_code >= 400:
+        assert_openai_error(bad, bad.status_code)
+    assert good.status_code == 200 and good.json()["choices"][0]["text"] == expected
+    assert httpx.get(url + "/health").status_code == 200
