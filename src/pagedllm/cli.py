@@ -454,6 +454,14 @@ def make_parser() -> argparse.ArgumentParser:
         p.add_argument("--trace", default=None, help="a JSONL trace (pagedllm trace): its requests, output lengths "
                                                      "and arrival times instead of the prompts above")
 
+    so = bench_parser("soak", "a bounded soak of a running server: mixed valid, invalid, cancelled and oversized "
+                      "requests, clients killed every few seconds", "soak", engine_options=False)
+    so.add_argument("--base-url", default="http://127.0.0.1:8000")
+    so.add_argument("--server-pid", type=int, default=None, help="sample this local process's RSS")
+    so.add_argument("--duration", type=float, default=600.0, help="seconds (default 10 minutes)")
+    so.add_argument("--clients", type=int, default=32)
+    so.add_argument("--kill-every", type=float, default=3.0, help="seconds between kills of every client")
+
     sv = bench_parser("serve", "load on any OpenAI-compatible server (as vllm bench serve)", "serve_bench",
                       engine_options=False)
     sv.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
