@@ -117,9 +117,8 @@ HOSTILE = [
 ]
 
 
-@pytest.mark.parametrize("route,body,status,param", HOSTILE)
-def test_a_hostile_request_fails_alone(hostile, route, body, status, param):
-    url, ctx, expected = hostile
+def beside_a_normal_request(url: str, route: str, body: str) -> tuple[httpx.Response, httpx.Response]:
+    """Send the raw JSON ``body`` to ``route`` and a normal request at once: (its reply, the normal one's)."""
 
     async def run():
         async with httpx.AsyncClient(base_url=url, timeout=60) as client:
@@ -127,7 +126,13 @@ def test_a_hostile_request_fails_alone(hostile, route, body, status, param):
             good = client.post("/v1/completions", json=NORMAL)
             return await asyncio.gather(bad, good)
 
-    bad, good = asyncio.run(run())
+    return asyncio.run(run())
+
+
+@pytest.mark.parametrize("route,body,status,param", HOSTILE)
+def test_a_hostile_request_fails_alone(hostile, route, body, status, param):
+    url, ctx, expected = hostile
+    bad, good = beside_a_normal_request(url, route, body)
     if status is None:
         assert bad.status_code == 200, bad.text
     else:
@@ -284,14 +289,7 @@ def test_generated_hostile_fields_fail_alone(hostile, route, fields):
     url, ctx, expected = hostile
     base = dict(NORMAL) if route == "/v1/completions" else dict(CHAT)
     body = json.dumps({**base, **fields, "max_tokens": fields.get("max_tokens", 2)}, allow_nan=True)
-
-    async def run():
-        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
-            bad = client.post(route, content=body, headers={"content-type": "application/json"})
-            good = client.post("/v1/completions", json=NORMAL)
-            return await asyncio.gather(bad, good)
-
-    bad, good = asyncio.run(run())
+    bad, good = beside_a_normal_request(url, route, body)
     assert bad.status_code < 500, bad.text
     if bad.status_code >= 400:
         assert_openai_error(bad, bad.status_code)
