@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import os
 import socket
 import threading
 import time
@@ -280,7 +281,10 @@ FIELDS = ["prompt", "max_tokens", "temperature", "top_p", "top_k", "min_p", "n",
           "structured_outputs", "messages", "max_completion_tokens", "top_logprobs", "user"]
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+GENERATED_EXAMPLES = int(os.environ.get("PAGEDLLM_HOSTILE_EXAMPLES", "60"))  # 400 for a longer run (design.md)
+
+
+@settings(max_examples=GENERATED_EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(route=st.sampled_from(["/v1/completions", "/v1/chat/completions"]),
        fields=st.dictionaries(st.sampled_from(FIELDS), hostile_values, min_size=1, max_size=3))
 def test_generated_hostile_fields_fail_alone(hostile, route, fields):

@@ -23,9 +23,9 @@ EXTENSION = CppExtension("pagedllm_cpu", Path(__file__).parent / "csrc" / "paged
 
 # Fresh bf16 prefills (no cached prefix) of at least this many rows attend through torch's SDPA
 # (its flash-attention kernel: bf16 GEMMs on AMX tiles) on AMX CPUs. Measured on a 2-core AMX Xeon
-# (session 12, docs/benchmarks.md): prompt tok/s at 1x1024 3062 / 3182 with our kernel, 4154 /
-# 4069 with this path from 128 rows; 8x1024 3164 / 3135 -> 3897 / 3505 (from 64 rows: 4175 /
-# 3965). Elsewhere unmeasured, so never (0).
+# (session 12, docs/benchmarks.md; `scripts/prefill_attention_ab.py ab 0 64 128 512`): prompt
+# tok/s at 1x1024 3062 / 3182 with our kernel, 4154 / 4069 with this path from 128 rows; 8x1024
+# 3164 / 3135 -> 3897 / 3505 (from 64 rows: 4175 / 3965). Elsewhere unmeasured, so never (0).
 DENSE_PREFILL_MIN_ROWS = {"amx": 128}
 
 

@@ -115,7 +115,6 @@ class AsyncEngine:
         self._streams: dict[str, RequestStream] = {}
         self._stopping = False
         self.dead: BaseException | None = None
-        self.num_unfinished = 0             # requests added and not yet finished (read from any thread)
         build = engine if callable(engine) and not isinstance(engine, Engine) else (lambda: engine)
         built: concurrent.futures.Future = concurrent.futures.Future()
         self._thread = threading.Thread(target=self._run, args=(build, built), name="pagedllm-engine", daemon=True)
@@ -184,19 +183,16 @@ class AsyncEngine:
     def _add(self, request_id: str, prompt, params: SamplingParams, stream: RequestStream) -> None:
         self.engine.add_request(request_id, prompt, params)
         self._streams[request_id] = stream
-        self.num_unfinished = len(self._streams)
 
     def _abort(self, request_id: str) -> None:
         if self.engine.abort(request_id):
             self._streams.pop(request_id, None)
-            self.num_unfinished = len(self._streams)
 
     def _abort_all(self) -> None:
         for request_id, stream in list(self._streams.items()):
             self.engine.abort(request_id)
             stream.put(EngineShutdown("the server is shutting down; the request was aborted"))
         self._streams.clear()
-        self.num_unfinished = 0
 
     def _run(self, build: Callable[[], Engine], built: concurrent.futures.Future) -> None:
         try:
@@ -242,7 +238,6 @@ class AsyncEngine:
             stream = self._streams.get(out.request_id)
             if out.finished:
                 self._streams.pop(out.request_id, None)
-                self.num_unfinished = len(self._streams)
             if self.on_output is not None:
                 try:
                     self.on_output(out)

@@ -88,10 +88,7 @@ class ServerContext:
             return self.limits.max_prompt_bytes
         if self.tokenizer is None:
             return None
-        if "_derived_prompt_bytes" not in self.__dict__:
-            self.__dict__["_derived_prompt_bytes"] = (self.engine.engine.config.scheduler.max_model_len
-                                                      * self.tokenizer.max_token_bytes)
-        return self.__dict__["_derived_prompt_bytes"]
+        return self.engine.engine.config.scheduler.max_model_len * self.tokenizer.max_token_bytes  # cached
 
     def check_prompt_bytes(self, num_bytes: int, field: str) -> None:
         """400 ``context_length_exceeded`` for prompt text too long to fit, before tokenizing it."""
