@@ -189,10 +189,10 @@ def cmd_serve(args) -> int:
     limits = ServerLimits(max_prompt_bytes=args.max_prompt_bytes, max_logit_bias=args.max_logit_bias,
                           max_stop=args.max_stop, default_chat_max_tokens=args.default_chat_max_tokens,
                           header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout)
-    return serve(options, host=args.host, port=args.port, api_key=args.api_key,
+    return serve(options, host=args.host, port=args.port, api_keys=tuple(args.api_key or ()),
                  served_model_name=args.served_model_name, max_queue=args.max_queue,
                  max_body_bytes=args.max_body_bytes, uvicorn_log_level=args.uvicorn_log_level, limits=limits,
-                 guard_metrics=args.guard_metrics)
+                 guard_metrics=args.guard_metrics, salt_per_key=args.cache_salt_per_key)
 
 
 def cmd_bench(args) -> int:
@@ -251,8 +251,13 @@ def make_parser() -> argparse.ArgumentParser:
                      help="local .gguf file or HF folder (same as --model)")
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on (loopback by default)")
     srv.add_argument("--port", type=int, default=8000)
-    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize, "
-                     "/detokenize and /dashboard/state (default: $PAGEDLLM_API_KEY, else no key)")
+    srv.add_argument("--api-key", action="append", default=None,
+                     help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize and /dashboard/state; "
+                          "repeat for several keys, one per tenant (default: $PAGEDLLM_API_KEY, comma-separated, "
+                          "else no key)")
+    srv.add_argument("--cache-salt-per-key", action="store_true",
+                     help="salt each API key's prefix cache apart: no tenant's request hits (or learns of, through "
+                          "cached_tokens or timing) another's cached prefixes")
     srv.add_argument("--guard-metrics", action="store_true", help="with --api-key, guard /metrics too "
                                                                   "(open by default, for scrapers, as vLLM's)")
     srv.add_argument("--max-prompt-bytes", type=int, default=None,

@@ -35,6 +35,18 @@ def test_max_tokens_none_fills_up_to_max_model_len(short_ctx):
     assert_all_free(short_ctx)
 
 
+def test_min_tokens_past_the_room_left_by_the_prompt_is_rejected(short_ctx):
+    """With max_tokens None the request may run to max_model_len: a min_tokens past that room could
+    never be honoured, so it is refused rather than silently cut short."""
+    with pytest.raises(InvalidRequest, match=r"min_tokens \(10\) must be at most max_tokens \(4: what max_model_len"):
+        short_ctx.generate({"prompt_token_ids": [7] * 60}, SamplingParams(max_tokens=None, min_tokens=10),
+                           use_tqdm=False)
+    assert_all_free(short_ctx)
+    out = short_ctx.generate({"prompt_token_ids": [7] * 60}, SamplingParams(max_tokens=None, min_tokens=4),
+                             use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 4
+
+
 # -- issue 21: a request's own fields fail that request when it is added, never the step or engine --
 @pytest.mark.parametrize("prompt,field", [({"prompt_token_ids": [7] * 20, "cache_salt": "\ud800"}, "cache_salt"),
                                           ("Hello \udc80", "prompt")])

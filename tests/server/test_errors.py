@@ -93,7 +93,7 @@ def test_body_over_the_limit_is_413(tiny_app):
 
 def test_api_key_is_required_on_v1_routes_only(tiny_app):
     _, ctx = tiny_app
-    with TestClient(build_app(dataclasses.replace(ctx, api_key="s3cret")), raise_server_exceptions=False) as client:
+    with TestClient(build_app(dataclasses.replace(ctx, api_keys=("s3cret",))), raise_server_exceptions=False) as client:
         assert_openai_error(client.post("/v1/completions", json=COMPLETION), 401)
         assert_openai_error(client.get("/v1/models", headers={"Authorization": "Bearer wrong"}), 401)
         ok = client.post("/v1/completions", json=COMPLETION, headers={"Authorization": "Bearer s3cret"})

@@ -102,7 +102,7 @@ def test_admission_is_counted_atomically_under_concurrency(hostile):
 # the field, while a normal request sent alongside completes.
 HOSTILE = [
     ("/v1/completions", json.dumps({**NORMAL, "max_tokens": True}), 400, "max_tokens"),  # a bool is no int
-    ("/v1/completions", json.dumps({**NORMAL, "n": 2.0}), 400, "n"),
+    ("/v1/completions", json.dumps({**NORMAL, "n": 2.5}), 400, "n"),  # 2.0 is an integer (JSON Schema's)
     ("/v1/completions", json.dumps({**NORMAL, "temperature": float("nan")}), 400, "temperature"),  # NaN literal
     ("/v1/completions", json.dumps({**NORMAL, "top_p": float("inf")}), 400, "top_p"),  # Infinity literal
     ("/v1/completions", json.dumps({**NORMAL, "logit_bias": {"5": float("-inf")}}), 400, "logit_bias.5"),
@@ -189,7 +189,7 @@ def test_a_chat_without_max_tokens_gets_the_default(hostile):
 def test_api_key_guards_tokenizer_and_dashboard_data(hostile):
     url, ctx, expected = hostile
     for guard_metrics in (False, True):
-        keyed = dataclasses.replace(ctx, api_key="s3cret", guard_metrics=guard_metrics)
+        keyed = dataclasses.replace(ctx, api_keys=("s3cret",), guard_metrics=guard_metrics)
         with serve_on_thread(build_app(keyed)) as keyed_url, httpx.Client(base_url=keyed_url, timeout=60) as client:
             for method, path, body in [("POST", "/tokenize", {"prompt": "Hi"}),
                                        ("POST", "/detokenize", {"tokens": [5, 6]}),
@@ -202,6 +202,28 @@ def test_api_key_guards_tokenizer_and_dashboard_data(hostile):
             assert client.get("/health").status_code == 200
             assert client.get("/metrics").status_code == (401 if guard_metrics else 200)
             assert client.get("/metrics", headers={"Authorization": "Bearer s3cret"}).status_code == 200
+    assert_still_serving(url, ctx, expected)
+
+
+def test_cache_salt_per_key_keeps_each_tenant_off_the_others_cached_prefixes(hostile):
+    """Two keys share cached prefixes by default; with ``salt_per_key`` a tenant's repeat of its own
+    prompt still hits its cache, but the other tenant's identical prompt finds nothing cached (so
+    ``cached_tokens`` cannot tell it what the first one sent), whatever ``cache_salt`` it sends."""
+    url, ctx, expected = hostile
+    def cached(client, key: str, **extra) -> int:
+        r = client.post("/v1/completions", json={**prompt, **extra}, headers={"Authorization": f"Bearer {key}"})
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    for per_key in (False, True):
+        prompt = {**NORMAL, "prompt": list(range(40 + 50 * per_key, 72 + 50 * per_key))}  # 4 full blocks of 8
+        keyed = dataclasses.replace(ctx, api_keys=("alice-key", "bob-key"), salt_per_key=per_key)
+        with serve_on_thread(build_app(keyed)) as keyed_url, httpx.Client(base_url=keyed_url, timeout=60) as client:
+            assert cached(client, "alice-key") == 0
+            assert cached(client, "alice-key") == 24  # her own prefix: full blocks before the last token
+            assert cached(client, "bob-key") == (0 if per_key else 24)
+            assert cached(client, "bob-key", cache_salt="x") == 0  # a salt of his own is apart either way
+            assert cached(client, "bob-key") == 24  # his own prefix, now cached
     assert_still_serving(url, ctx, expected)
 
 

@@ -271,6 +271,9 @@ class Engine:
         if isinstance(params, BeamSearchParams):
             return self._add_beam_search(request_id, text, ids, salt, params)
         max_tokens = self._check_length(len(ids), params.max_tokens)
+        if params.min_tokens > max_tokens:  # only when max_tokens was None: SamplingParams checks a given one
+            raise InvalidRequest(f"min_tokens ({params.min_tokens}) must be at most max_tokens ({max_tokens}: what "
+                                 f"max_model_len ({self.config.scheduler.max_model_len}) leaves after the prompt)")
         bad_words = self._check_params(params)
         grammar = None if params.structured_outputs is None else self.structured.compile(params.structured_outputs)
         seqs = []

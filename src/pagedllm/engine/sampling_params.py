@@ -39,6 +39,11 @@ def _is_number(v: object) -> bool:
     return isinstance(v, int | float) and not isinstance(v, bool) and v == v  # NaN != NaN
 
 
+# the sampler divides or multiplies float32 logits by the repetition penalty: past these bounds they
+# overflow to inf (or, below float32's least value, the penalty rounds to 0 and -inf x 0 is NaN), so
+# a masked token could be drawn; no sensible penalty lies outside them
+REPETITION_MIN, REPETITION_MAX = 1e-3, 1e3
+
 # the sampler holds top_k in an int64 tensor and clamps it to the vocabulary: bounded to int32 so any
 # accepted value fits (a larger one would fail the step of every request batched with it)
 TOP_K_MAX = 2**31 - 1
@@ -164,8 +169,9 @@ class SamplingParams:
             v = getattr(self, name)
             if not _is_number(v) or not -2.0 <= v <= 2.0:
                 raise ValueError(f"{name} must be a number in [-2, 2], got {v!r}")
-        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be a number > 0, got {self.repetition_penalty!r}")
+        if not _is_number(self.repetition_penalty) or not REPETITION_MIN <= self.repetition_penalty <= REPETITION_MAX:
+            raise ValueError(f"repetition_penalty must be a number in [{REPETITION_MIN:g}, {REPETITION_MAX:g}], "
+                             f"got {self.repetition_penalty!r}")
         if not _is_number(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
         if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:

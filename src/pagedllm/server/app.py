@@ -10,6 +10,7 @@ Errors are OpenAI-shaped (``server/errors.py``).
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 
 from fastapi import FastAPI, Request
@@ -22,6 +23,7 @@ from pagedllm.server.completions import create_completion
 from pagedllm.server.dashboard import install_dashboard
 from pagedllm.server.errors import ENGINE_DEAD, OpenAIError, install_error_handlers
 from pagedllm.server.metrics import engine_snapshot
+from pagedllm.server.openapi import install_openapi
 from pagedllm.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -29,7 +31,7 @@ from pagedllm.server.protocol import (
     TokenizeRequest,
     conversation,
 )
-from pagedllm.server.serving import ClientDisconnected, ServerContext
+from pagedllm.server.serving import TENANT, ClientDisconnected, ServerContext
 
 DEFAULT_MAX_BODY_BYTES = 8 * 2**20
 
@@ -85,21 +87,33 @@ class _Body:
 GUARDED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/dashboard/state")
 
 
-class _ApiKey:
-    """401 without ``Authorization: Bearer <key>`` on the guarded routes (and ``/metrics`` when
-    ``guard_metrics``); ``/health``, ``/version`` and ``/metrics`` stay open, as vLLM's do."""
+def tenant_salt(key: str) -> str:
+    """The cache salt of one API key's tenant: a digest (the key itself never enters a block hash)."""
+    return "tenant:" + hashlib.sha256(key.encode("utf-8")).hexdigest()[:32]
 
-    def __init__(self, app, key: str, guard_metrics: bool = False) -> None:
-        self.app, self.expected = app, f"Bearer {key}".encode()
-        self.prefixes = GUARDED_PREFIXES + (("/metrics",) if guard_metrics else ())
+
+class _ApiKey:
+    """401 without ``Authorization: Bearer <key>`` (one of ``keys``) on the routes under ``prefixes``
+    (``GUARDED_PREFIXES``, and ``/metrics`` with ``--guard-metrics``); ``/health``, ``/version`` and
+    ``/metrics`` stay open, as vLLM's do. A request that passes carries its key's ``tenant_salt``
+    in the scope's state."""
+
+    def __init__(self, app, keys: tuple[str, ...], prefixes: tuple[str, ...]) -> None:
+        self.app, self.prefixes = app, prefixes
+        self.expected = [(f"Bearer {key}".encode(), tenant_salt(key)) for key in keys]
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["path"].startswith(self.prefixes):
             given = dict(scope.get("headers", ())).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
+            tenant = None
+            for expected, salt in self.expected:  # every key compared, in constant time each
+                if hmac.compare_digest(given, expected):
+                    tenant = salt
+            if tenant is None:
                 error = OpenAIError(401, "missing or wrong API key (send 'Authorization: Bearer <key>')",
                                     code="invalid_api_key")
                 return await error.response()(scope, receive, send)
+            scope.setdefault("state", {})[TENANT] = tenant
         return await self.app(scope, receive, send)
 
 
@@ -107,8 +121,10 @@ def build_app(ctx: ServerContext, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) 
     app = FastAPI(title="pagedllm", version=pagedllm.__version__, docs_url=None, redoc_url=None)
     app.state.ctx = ctx
     install_error_handlers(app)
-    if ctx.api_key:
-        app.add_middleware(_ApiKey, key=ctx.api_key, guard_metrics=ctx.guard_metrics)
+    guarded = GUARDED_PREFIXES + (("/metrics",) if ctx.guard_metrics else ())
+    if ctx.api_keys:
+        app.add_middleware(_ApiKey, keys=ctx.api_keys, prefixes=guarded)
+    install_openapi(app, ctx, guarded)
     app.add_middleware(_Body, limit=max_body_bytes, timeout_s=ctx.limits.body_timeout_s)
     install_dashboard(app, ctx)
 

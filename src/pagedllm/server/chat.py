@@ -58,12 +58,16 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     prompt_ids = await chat_prompt_ids(ctx, req)
     top = req.top_logprobs or 0
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    limit = ctx.engine.engine.config.scheduler.max_model_len
+    if req.max_tokens is not None and req.max_tokens >= limit:  # checked even when max_completion_tokens rules
+        raise OpenAIError(400, f"max_tokens ({req.max_tokens}) must be below max_model_len ({limit})", "max_tokens",
+                          "context_length_exceeded")
     if max_tokens is None:  # --default-chat-max-tokens, else the rest of the context
         max_tokens = ctx.limits.default_chat_max_tokens
     params = req.sampling_params(max_tokens, top if req.logprobs else None)
     request_id = new_id("chatcmpl")
-    outputs = merge(await add_prompts(ctx, [{"prompt_token_ids": prompt_ids, **_salt(req)}], params, request_id,
-                                   req.constraint_field), req.constraint_field)
+    prompt = {"prompt_token_ids": prompt_ids, **_salt(ctx, req, raw)}
+    outputs = merge(await add_prompts(ctx, [prompt], params, request_id, req.constraint_field), req.constraint_field)
     head = {"id": request_id, "object": "chat.completion", "created": ctx.created, "model": ctx.model_name}
     if req.stream:
         return StreamingResponse(_stream(req, outputs, {**head, "object": "chat.completion.chunk"}, top),
@@ -71,8 +75,9 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     return await unless_disconnected(raw, _collect(req, outputs, head, top))
 
 
-def _salt(req) -> dict:
-    return {"cache_salt": req.cache_salt} if req.cache_salt is not None else {}
+def _salt(ctx: ServerContext, req: ChatCompletionRequest, raw: Request) -> dict:
+    salt = ctx.cache_salt(req.cache_salt, raw)
+    return {"cache_salt": salt} if salt is not None else {}
 
 
 async def _collect(req: ChatCompletionRequest, outputs, head: dict, top: int) -> dict:

@@ -67,9 +67,9 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Req
     prompts = req.prompts()
     if not prompts:
         raise OpenAIError(400, "prompt must not be empty", "prompt")
-    if req.cache_salt is not None:
-        prompts = [{"prompt" if isinstance(p, str) else "prompt_token_ids": p, "cache_salt": req.cache_salt}
-                   for p in prompts]
+    salt = ctx.cache_salt(req.cache_salt, raw)
+    if salt is not None:
+        prompts = [{"prompt" if isinstance(p, str) else "prompt_token_ids": p, "cache_salt": salt} for p in prompts]
     want_logprobs = req.logprobs is not None
     params = req.sampling_params(req.max_tokens, req.logprobs,
                                  prompt_logprobs=req.logprobs if req.echo and want_logprobs else None)

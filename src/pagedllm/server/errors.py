@@ -86,17 +86,30 @@ def error_chunk(exc: BaseException) -> str:
     return f"data: {json.dumps(as_openai_error(exc).body())}\n\n"
 
 
+_FIELD_SEGMENT = re.compile(r"^[A-Za-z0-9_]+$")
+
+
+def _field_of(error: dict) -> str | None:
+    """The request field an error is about: its location without ``body`` and without the tags
+    pydantic adds for the member of a union that failed (``constrained-str``, ``list[int]``)."""
+    loc = [str(p) for p in error.get("loc", ()) if p != "body"]
+    return ".".join(p for p in loc if _FIELD_SEGMENT.match(p)) or None
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     errors = exc.errors()
     if not errors:
         return "invalid request", None
     first = errors[0]
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     if first.get("type") == "json_invalid":
         return f"the body is not valid JSON: {first.get('msg')}", None
-    field = ".".join(loc) or None
+    field = _field_of(first)
+    # a value no member of a union takes fails each member: say what was wrong with the value
+    # ("at least 1 item") rather than that it is not of the first member's type ("a valid string")
+    same_field = [e for e in errors if _field_of(e) == field]
+    chosen = next((e for e in same_field if not str(e.get("type", "")).endswith("_type")), first)
     where = f"{field}: " if field else ""
-    return f"{where}{first.get('msg', 'invalid value')}", field
+    return f"{where}{chosen.get('msg', 'invalid value')}", field
 
 
 class OpenAIRoute(APIRoute):
@@ -134,5 +147,5 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http(_: Request, exc: StarletteHTTPException):
         message = {404: "not found", 405: "method not allowed"}.get(exc.status_code, str(exc.detail))
         return OpenAIError(exc.status_code, message if exc.detail in (None, "Not Found", "Method Not Allowed")
-                           else str(exc.detail)).response()
+                           else str(exc.detail), headers=exc.headers).response()  # a 405 keeps its Allow
 

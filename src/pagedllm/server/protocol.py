@@ -14,14 +14,42 @@ from __future__ import annotations
 import dataclasses
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
-from pagedllm.engine.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
+from pagedllm.engine.sampling_params import (
+    MAX_LOGPROBS,
+    REPETITION_MAX,
+    REPETITION_MIN,
+    TOP_K_MAX,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 from pagedllm.errors import require_utf8
 
 STRUCTURED_OUTPUTS_KEYS = frozenset(f.name for f in dataclasses.fields(StructuredOutputsParams))
-NonNegInt = Annotated[int, Field(ge=0)]
 MAX_N = 128  # most choices per request, as OpenAI
+# The bounds ``SamplingParams`` enforces, stated here too so /openapi.json says them (a client or a
+# schema fuzzer then knows which values are valid); what depends on the served model (token ids
+# below the vocabulary size, max_tokens up to max_model_len) is added by ``server/openapi.py``.
+
+
+def _integral(value: object) -> object:
+    """A float with no fractional part as the integer it is: JSON Schema's ``integer`` includes
+    ``120.0`` (and vLLM's lax models take it); booleans, strings and ``1.5`` stay refused."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def Int(**bounds) -> type[int]:  # noqa: N802 - a type, as the annotations read it
+    """An integer field (``_integral`` first) with pydantic ``Field`` bounds (the validator goes
+    after them, or pydantic writes ``ge`` instead of ``minimum`` into the JSON schema)."""
+    return Annotated[int, Field(**bounds), BeforeValidator(_integral)]
+
+
+NonNegInt = Int(ge=0)
+TOKEN_ID_MARK = "x-token-id"  # how server/openapi.py finds the token ids to bound by the vocabulary
+TokenId = Int(ge=0, json_schema_extra={TOKEN_ID_MARK: True})
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 
 
 class _Request(BaseModel):
@@ -60,18 +88,18 @@ class SamplingFields(_Request):
     """The sampling fields both routes share."""
 
     model: str | None = None
-    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    n: Int(ge=1, le=MAX_N) = 1
+    temperature: Annotated[float, Field(ge=0.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    top_k: Int(ge=-1, le=TOP_K_MAX) | None = None
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    seed: Int() | None = None
+    stop: NonEmptyStr | list[NonEmptyStr] | None = None
+    stop_token_ids: list[TokenId] | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: Annotated[float, Field(ge=REPETITION_MIN, le=REPETITION_MAX)] | None = None
+    logit_bias: dict[Annotated[str, Field(pattern=r"^[0-9]+$")], float] | None = None
     min_tokens: NonNegInt = 0
     ignore_eos: bool = False
     skip_special_tokens: bool = True
@@ -119,10 +147,15 @@ class SamplingFields(_Request):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
+PositiveInt = Int(ge=1)
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+
+
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    prompt: NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1)] | TokenIds \
+        | Annotated[list[TokenIds], Field(min_length=1)]
+    max_tokens: PositiveInt | None = 16
+    logprobs: Int(ge=0, le=MAX_LOGPROBS) | None = None
     echo: bool = False
 
     def prompts(self) -> list[str | list[int]]:
@@ -135,29 +168,31 @@ class CompletionRequest(SamplingFields):
         return list(p)
 
 
+class TextPart(_Request):
+    """A content part; only text ones are supported (an image part is a 400 naming it)."""
+
+    type: Literal["text"]
+    text: str
+
+
 class ChatMessage(_Request):
     role: str
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[TextPart] | None = None
     name: str | None = None
 
     def text(self) -> str:
-        """The message's text: a string, or the text parts of a list of content parts."""
+        """The message's text: a string, or its text parts joined."""
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
-        parts = []
-        for part in self.content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ValueError("messages: only text content parts are supported")
-            parts.append(part["text"])
-        return "".join(parts)
+        return "".join(part.text for part in self.content)
 
 
 class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: PositiveInt | None = None
+    max_completion_tokens: PositiveInt | None = None
     logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    top_logprobs: Int(ge=0, le=MAX_LOGPROBS) | None = None
     add_generation_prompt: bool = True
 
     def conversation(self) -> list[dict[str, str]]:
@@ -165,16 +200,20 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class TokenizeRequest(_Request):
+    # exactly one of ``prompt`` or ``messages``, given and not null (the route checks it; the schema says it)
+    model_config = ConfigDict(json_schema_extra={"oneOf": [
+        {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+        {"required": ["messages"], "properties": {"messages": {"type": "array"}}}]})
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
 
 class DetokenizeRequest(_Request):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
 def conversation(messages: list[ChatMessage]) -> list[dict[str, str]]:

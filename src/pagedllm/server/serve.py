@@ -60,11 +60,19 @@ def uvicorn_config(app, host: str, port: int, limits: ServerLimits | None = None
                           timeout_graceful_shutdown=10, http=header_timeout_protocol(limits.header_timeout_s))
 
 
-def serve(options: dict, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
+def keys_from_env() -> tuple[str, ...]:
+    """``$PAGEDLLM_API_KEY``: one key, or several separated by commas."""
+    return tuple(k for k in os.environ.get("PAGEDLLM_API_KEY", "").split(",") if k)
+
+
+def serve(options: dict, host: str = "127.0.0.1", port: int = 8000, api_keys: tuple[str, ...] = (),
           served_model_name: str | None = None, max_queue: int = 1024, max_body_bytes: int | None = None,
           uvicorn_log_level: str = "warning", limits: ServerLimits | None = None,
-          guard_metrics: bool = False) -> int:
+          guard_metrics: bool = False, salt_per_key: bool = False) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    api_keys = tuple(api_keys) or keys_from_env()
+    if salt_per_key and not api_keys:
+        raise SystemExit("--cache-salt-per-key needs --api-key (one per tenant)")
     metrics = ServerMetrics()
     # built on the engine thread: the main thread (uvicorn's) never runs a torch parallel region
     async_engine = AsyncEngine(lambda: Engine.from_options(**options), on_output=metrics.on_output)
@@ -72,8 +80,9 @@ def serve(options: dict, host: str = "127.0.0.1", port: int = 8000, api_key: str
     model_name = served_model_name or options.get("model") or engine.model_path.stem
     limits = limits or ServerLimits()
     ctx = ServerContext(async_engine, model_name, max_queue, metrics,
-                        api_key=api_key or os.environ.get("PAGEDLLM_API_KEY") or None, guard_metrics=guard_metrics,
-                        limits=limits)
+                        api_keys=api_keys, guard_metrics=guard_metrics,
+                        salt_per_key=salt_per_key, limits=limits)
+
     app = build_app(ctx, **({"max_body_bytes": max_body_bytes} if max_body_bytes else {}))
     config = uvicorn_config(app, host, port, limits, uvicorn_log_level)
     server = _Server(config, async_engine)

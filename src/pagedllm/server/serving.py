@@ -34,6 +34,10 @@ STEP_FAILED = ("the engine step running this request failed, so it was not compl
                "unaffected and a retry may succeed (the cause is in the server's log)")
 
 
+# the key under which the API-key middleware leaves a request's tenant salt in the ASGI scope's state
+TENANT = "pagedllm_tenant"
+
+
 class ClientDisconnected(Exception):
     """The HTTP client went away before its response was ready."""
 
@@ -44,8 +48,9 @@ class ServerContext:
     model_name: str
     max_queue: int
     metrics: ServerMetrics
-    api_key: str | None = None
+    api_keys: tuple[str, ...] = ()  # --api-key (each one a tenant); empty: no key required
     guard_metrics: bool = False  # --api-key guards /metrics too
+    salt_per_key: bool = False  # --cache-salt-per-key: tenants never share prefix-cache blocks
     created: int = field(default_factory=lambda: int(time.time()))
     limits: ServerLimits = field(default_factory=ServerLimits)
     admitted: int = 0  # sequences (prompts x n) admitted and not yet ended; see ``admit``
@@ -79,6 +84,15 @@ class ServerContext:
         if longest > limits.max_stop_chars:
             raise OpenAIError(400, f"a stop string is {longest} characters long; at most {limits.max_stop_chars} "
                               "are accepted", "stop")
+
+    def cache_salt(self, requested: str | None, raw: Request) -> str | None:
+        """The salt a request's blocks are hashed with: its ``cache_salt``, under its API key's
+        tenant salt when ``salt_per_key`` (so no key's requests can hit, or time, another's cached
+        prefixes, whatever salt they send)."""
+        tenant = raw.scope.get("state", {}).get(TENANT) if self.salt_per_key else None
+        if tenant is None:
+            return requested
+        return tenant if requested is None else f"{tenant}/{requested}"
 
     @property
     def max_prompt_bytes(self) -> int | None:
