@@ -51,8 +51,8 @@ def test_schemathesis_finds_no_failure_with_every_check(tiny_folder, tmp_path):
                  "--workers", "1", "--max-response-time", "60", "--continue-on-failure", "--output-sanitize",
                  "false", "--no-color"],
                 env={**os.environ, "SCHEMATHESIS_HOOKS": "tests.server.schemathesis_hooks",
-                     "PAGEDLLM_ST_TALLY": str(tmp_path / "tally")},
-                capture_output=True, text=True, timeout=600, cwd=Path(__file__).parents[2])
+                     "PAGEDLLM_ST_TALLY": str(tmp_path / "tally"), "PYTHONPATH": str(Path(__file__).parents[2])},
+                capture_output=True, text=True, timeout=600, cwd=tmp_path)  # its cache goes there
     finally:
         ctx.engine.shutdown()
     out = run.stdout + run.stderr
