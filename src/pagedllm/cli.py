@@ -23,10 +23,12 @@ def _flag_type(annotation) -> type:
     """bool, int or str: how a flag of this option's annotation is parsed."""
     from pydantic import ByteSize
 
-    for a in typing.get_args(annotation) or (annotation,):
+    if typing.get_origin(annotation) is typing.Annotated:  # PositiveInt = Annotated[int, Gt(0)]
+        return _flag_type(typing.get_args(annotation)[0])
+    for a in typing.get_args(annotation) or (annotation,):  # X | None: X's type
+        if typing.get_origin(a) is typing.Annotated:
+            return _flag_type(a)
         a = typing.get_origin(a) or a
-        if a is typing.Annotated:
-            continue
         if isinstance(a, type) and issubclass(a, ByteSize):
             return str  # "512MiB"
         if a in (bool, int):

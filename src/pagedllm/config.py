@@ -26,6 +26,7 @@ from pagedllm.kvcache.hashing import HASH_ALGOS
 MIN_BLOCK_SIZE = 8
 MAX_BLOCK_SIZE = 128
 QUANTIZATIONS = ("auto", "none", "gguf")
+DEFAULT_STEP_TOKENS = 1024  # max_num_batched_tokens where no CPU family measured better (models/kernel_plan.py)
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "cpu", "triton", "reference")
 
@@ -88,7 +89,8 @@ class SchedulerConfig:
     """Continuous-batching limits for one engine step."""
 
     max_num_seqs: PositiveInt = Field(64, description="most sequences running in one step")
-    max_num_batched_tokens: PositiveInt = Field(1024, description="token budget of one step (prefill is chunked)")
+    max_num_batched_tokens: PositiveInt = Field(DEFAULT_STEP_TOKENS,
+                                                description="token budget of one step (prefill is chunked)")
     max_model_len: PositiveInt = Field(2048, description="longest prompt + output")
     preemption_mode: Literal["recompute", "swap"] = Field(
         "recompute", description="what happens to a request preempted when blocks run out")
@@ -121,13 +123,19 @@ class EngineOptions(CacheConfig, SchedulerConfig, LoadOptions):
 
     max_model_len: PositiveInt | None = Field(None, description="longest prompt + output; default: the model's "
                                                                 "context length")
+    max_num_batched_tokens: PositiveInt | None = Field(
+        None, description="token budget of one step (prefill is chunked); default: per CPU family, 2048 for a "
+                          "bf16 model on AMX, else 1024")
 
     def cache_config(self) -> CacheConfig:
         return CacheConfig(**{name: getattr(self, name) for name in option_fields(CacheConfig)})
 
-    def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
+    def scheduler_config(self, max_model_len: int, step_tokens: int = DEFAULT_STEP_TOKENS) -> SchedulerConfig:
+        """The scheduler's config: ``max_model_len`` and ``step_tokens`` fill the options left None
+        (the model's context length; the CPU family's step budget, ``KernelPlan.step_tokens``)."""
         values = {name: getattr(self, name) for name in option_fields(SchedulerConfig)}
-        return SchedulerConfig(**{**values, "max_model_len": max_model_len})
+        budget = self.max_num_batched_tokens if self.max_num_batched_tokens is not None else step_tokens
+        return SchedulerConfig(**{**values, "max_model_len": max_model_len, "max_num_batched_tokens": budget})
 
 
 def option_fields(cls=EngineOptions) -> dict:

@@ -111,6 +111,9 @@ def test_each_family_gets_its_measured_kernel_plan(family):
     # our C++ 4-bit kernel where its AVX2 body beats torch's int4 one; torch's elsewhere
     assert plan.int4_kernel == fp32.int4_kernel == ("cpp" if family == "avx2" else "torch")
     assert ("int4 (C++) <= 16 rows" in plan.describe()) == (family == "avx2")
+    # steps of 2,048 tokens where AMX tiles run the bf16 GEMMs (measured there); 1,024 elsewhere
+    assert plan.step_tokens == (2048 if family == "amx" else 1024) and fp32.step_tokens == 1024
+    assert f"steps of {plan.step_tokens} tokens" in plan.describe()
 
 
 @pytest.mark.parametrize("family", ["avx2", "baseline", "neon"])

@@ -44,6 +44,18 @@ def test_parsed_flags_build_valid_options():
         (32, 2**30, False, "lfu")
 
 
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_optional_integer_flags_parse_as_integers(command):
+    """``PositiveInt | None`` options (``max_model_len``, ``num_kv_blocks``, ``max_num_batched_tokens``)
+    were parsed as strings, so ``--max-model-len 2048`` failed validation."""
+    from pagedllm.cli import engine_options
+
+    argv = [command, *(["hi"] if command == "generate" else []), "--max-model-len", "2048", "--num-kv-blocks", "64",
+            "--max-num-batched-tokens", "4096"]
+    opts = EngineOptions(**engine_options(make_parser().parse_args(argv)))
+    assert (opts.max_model_len, opts.num_kv_blocks, opts.max_num_batched_tokens) == (2048, 64, 4096)
+
+
 def test_docs_option_table_is_generated_from_the_options():
     from pagedllm.config import options_markdown
 
@@ -59,7 +71,7 @@ def test_every_option_has_one_definition_and_the_component_defaults_agree():
     assert set(fields) == set().union(*parts) and sum(map(len, parts)) == len(fields)
     for part in parts:
         for name, info in part.items():
-            if name != "max_model_len":  # None in the options: the model's own context length
+            if name not in ("max_model_len", "max_num_batched_tokens"):  # None in the options: resolved per model, CPU
                 assert fields[name].default == info.default
     assert all(info.description for info in fields.values())
 
@@ -71,3 +83,12 @@ def test_llm_rejects_an_unknown_option_before_loading_anything():
         LLM(blocksize=16)
     with pytest.raises(ConfigError, match="block_size: Input should be greater than or equal to 8"):
         LLM(block_size=4)
+
+
+def test_the_step_budget_is_the_cpu_familys_unless_given():
+    opts = EngineOptions()
+    assert opts.max_num_batched_tokens is None
+    assert opts.scheduler_config(512, step_tokens=2048).max_num_batched_tokens == 2048
+    assert opts.scheduler_config(512).max_num_batched_tokens == SchedulerConfig().max_num_batched_tokens == 1024
+    given = EngineOptions(max_num_batched_tokens=300)
+    assert given.scheduler_config(512, step_tokens=2048).max_num_batched_tokens == 300

@@ -23,7 +23,7 @@ from pydantic import ValidationError
 
 from pagedllm import cpu_features
 from pagedllm.attention.backends import get_backend
-from pagedllm.config import QUANTIZATIONS, EngineConfig, EngineOptions, describe_error
+from pagedllm.config import DEFAULT_STEP_TOKENS, QUANTIZATIONS, EngineConfig, EngineOptions, describe_error
 from pagedllm.engine.beam_search import BeamGroup, BeamSearchParams
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.engine.model_runner import ModelRunner
@@ -125,15 +125,17 @@ class Engine:
             raise ConfigError(f"max_model_len={max_model_len} exceeds the model's context length "
                               f"({mcfg.max_position_embeddings})")
         resolved_dtype = resolve_dtype(dtype, device)
-        config = EngineConfig(model=mcfg, cache=cache, scheduler=options.scheduler_config(max_model_len),
+        # the kernels this CPU family runs best (kernel_plan): e.g. bf16/fp16 GEMMs in float32 on
+        # CPUs without native bf16/fp16 dot products (3-4x faster), each family's crossovers, and the
+        # step budget its GEMMs run best at
+        plan = plan_kernels(cpu_features.current(), _DTYPES[resolved_dtype]) if device == "cpu" else None
+        scheduler = options.scheduler_config(max_model_len, plan.step_tokens if plan else DEFAULT_STEP_TOKENS)
+        config = EngineConfig(model=mcfg, cache=cache, scheduler=scheduler,
                               dtype=resolved_dtype, device=device, seed=options.seed,
                               quantization=resolve_quantization(options.quantization, weights, resolved_dtype, device))
         with torch.device("meta"):
             net = LlamaForCausalLM(mcfg, _DTYPES[config.dtype], max_model_len, device=device, layer_ops=layer_ops)
         net.load_hf_state_dict(weights.state_dict)
-        # the kernels this CPU family runs best (kernel_plan): e.g. bf16/fp16 GEMMs in float32 on
-        # CPUs without native bf16/fp16 dot products (3-4x faster), each family's crossovers
-        plan = plan_kernels(cpu_features.current(), _DTYPES[config.dtype]) if device == "cpu" else None
         if config.quantization == "gguf":
             net.use_gguf_quantized(weights.quantized, plan)
         if plan is not None:
