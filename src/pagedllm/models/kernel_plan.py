@@ -23,6 +23,16 @@ layer 0.097 (4-bit) vs 0.118 ms (packed bf16) at 1 row, 0.118 vs 0.122 at 2, 0.3
 8; the head 6.4 ms (Q8_0) vs 1.26 (packed bf16) at 1 row. ``scripts/int4_kernel_ab.py torch ROWS
 BATCH Q8_ROWS``, ms per step, two rounds: batch 1 13.8 / 13.6 with (8, 8) against 8.8 / 8.7 with
 (1, 0); batch 8 68.0 / 67.5 against 22.0 / 21.9. (A float32 model there keeps (8, 8): unmeasured.)
+There ``step_tokens`` is 2,048, not 1,024: oneDNN's AMX bf16 GEMM (``brg_matmul:avx10_1_512_amx``)
+runs the down projection (K 1,536, N 576) at 1.2-1.4 TF/s from 512 to 1,280 rows and 2.5-2.7 from
+2,048, and qkv (K 576, N 960) at 1.4 for 768-1,024 rows against 2.6-3.0 at 1,040 and above (two
+rounds of ``scripts/gemm_rows.py``, session 13); a 32x128 prefill's GEMMs took 1.07 ms per 1,024
+rows in 1,024-token steps against 0.71 in 4,096-token ones. ``scripts/step_budget_ab.py
+1024,2048,4096`` (one process, budgets alternating; two rounds, tok/s, 1,024 / 2,048 / 4,096):
+prefill 32x128 4495, 3845 / 5621, 5679 / 5810, 5869; 8x1024 3187, 3796 / 4200, 4486 / 4239, 4278;
+decode x64 835, 850 / 887, 899 / 906, 871; x8 323, 346 / 336, 355 / 340, 365. 2,048 is vLLM's
+server default on CPU (its offline one is 4,096): a step's length, so the longest pause a running
+stream sees while others prefill, doubles, not quadruples.
 AVX-512 without BF16 (float32 GEMMs): the
 4-bit kernel up to 16 rows (34 vs 41 ms at 16, 80 vs 60 ms at 32 over 30 layers), the Q8_0 head
 never (8.9 vs 6.8 ms at 1 row) but the natively packed bf16 head at 1 row (4.6 vs 6.2 ms).
