@@ -66,37 +66,6 @@ def machine_steal_seconds() -> float | None:
         return None
 
 
-def _busy_and_total() -> tuple[int, int] | None:
-    try:
-        with open("/proc/stat") as f:
-            ticks = [int(x) for x in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return None
-    idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)  # idle + iowait
-    return sum(ticks) - idle, sum(ticks)
-
-
-def wait_until_idle(busy_below: float = 0.1, window_s: float = 0.1, timeout_s: float = 3.0) -> float:
-    """Wait until this machine's cores are idle (under ``busy_below`` of them busy over a
-    ``window_s`` window) or ``timeout_s`` passed; returns the seconds waited. Engines that were
-    just timed may keep spinning their thread pools for a while after a run (OpenMP's spin-wait),
-    which takes the cores from the next engine timed: a short run (a 128-token prefill, ~50 ms)
-    lost up to 4x to it. Where /proc/stat is unreadable, returns at once."""
-    start = time.monotonic()
-    while time.monotonic() - start < timeout_s:
-        before = _busy_and_total()
-        if before is None:
-            break
-        time.sleep(window_s)
-        after = _busy_and_total()
-        if after is None:
-            break
-        total = after[1] - before[1]
-        if total <= 0 or (after[0] - before[0]) / total < busy_below:
-            break
-    return time.monotonic() - start
-
-
 @dataclass
 class CpuTime:
     """CPU seconds this process used over a stretch of wall time."""

@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from pagedllm.bench.machine import machine_info, machine_steal_seconds, wait_until_idle
+from pagedllm.bench.machine import machine_info, machine_steal_seconds
 from pagedllm.bench.peer_workers import PeerWorker, peer_specs
 
 
@@ -240,12 +240,10 @@ def main(args) -> dict:
                     for name, engine in engines.items():
                         if name in dropped[w.name]:
                             continue
-                        waited = wait_until_idle()  # the engine timed before may still spin its threads
                         steal = machine_steal_seconds()
                         result = engine(prompts, w.max_tokens)
                         after = machine_steal_seconds()
                         result["machine_steal_s"] = None if steal is None or after is None else round(after - steal, 3)
-                        result["idle_wait_s"] = round(waited, 3)
                         expected = expected_output_tokens(w)
                         if result["output_tokens"] != expected:
                             raise RuntimeError(f"{name} generated {result['output_tokens']} tokens for {w.name}, "
