@@ -8,23 +8,13 @@ number of rows (on AMX, some shapes run at half speed below ~2,048 rows: models/
 from __future__ import annotations
 
 import sys
-import time
 
 import torch
 
+from pagedllm.bench.timers import median_ms
+
 SHAPES = {"down (K 1536, N 576)": (1536, 576), "qkv (K 576, N 960)": (576, 960), "gate_up (K 576, N 3072)": (576, 3072)}
 ROWS = (512, 768, 1000, 1024, 1040, 1280, 2048, 4096)
-
-
-def median_ms(fn, n: int = 30) -> float:
-    for _ in range(5):
-        fn()
-    times = []
-    for _ in range(n):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[n // 2] * 1e3
 
 
 def main() -> None:
@@ -36,7 +26,7 @@ def main() -> None:
             for m in ROWS:
                 x = torch.randn(m, k).bfloat16()
                 ms = median_ms(lambda x=x, packed=packed: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none",
-                                                                                             [], ""))
+                                                                                             [], ""), 30)
                 rates.append(f"{m}: {2 * m * k * n / ms / 1e9:.2f}")
             print(f"round {rnd} {name} TF/s by rows: {'  '.join(rates)}", flush=True)
 

@@ -24,7 +24,7 @@ layer 0.097 (4-bit) vs 0.118 ms (packed bf16) at 1 row, 0.118 vs 0.122 at 2, 0.3
 BATCH Q8_ROWS``, ms per step, two rounds: batch 1 13.8 / 13.6 with (8, 8) against 8.8 / 8.7 with
 (1, 0); batch 8 68.0 / 67.5 against 22.0 / 21.9. (A float32 model there keeps (8, 8): unmeasured.)
 There ``step_tokens`` is 2,048, not 1,024: oneDNN's AMX bf16 GEMM (``brg_matmul:avx10_1_512_amx``)
-runs the down projection (K 1,536, N 576) at 1.2-1.4 TF/s from 512 to 1,280 rows and 2.5-2.7 from
+runs the down projection (K 1,536, N 576) at 1.2-1.5 TF/s from 512 to 1,280 rows and 2.5-2.7 from
 2,048, and qkv (K 576, N 960) at 1.4 for 768-1,024 rows against 2.6-3.0 at 1,040 and above (two
 rounds of ``scripts/gemm_rows.py``, session 13); a 32x128 prefill's GEMMs took 1.07 ms per 1,024
 rows in 1,024-token steps against 0.71 in 4,096-token ones. ``scripts/step_budget_ab.py
