@@ -4,6 +4,7 @@ each round. Decode x8/x32/x64 (128-token prompts, 128 greedy tokens, output tok/
 prefill 1x1024, 32x128, 8x1024 (1 output token, prompt tok/s). Figures in models/kernel_plan.py.
 
     .venv/bin/python scripts/step_budget_ab.py 1024,2048,4096 [ROUNDS]   (default 2 rounds)
+    .venv/bin/python scripts/step_budget_ab.py profile BUDGET            (op table of one 8x1024 prefill)
 """
 
 from __future__ import annotations
@@ -18,7 +19,28 @@ WORKLOADS = [("decode x8", 8, 128, 128), ("decode x32", 32, 128, 128), ("decode 
              ("prefill 1x1024", 1, 1024, 1), ("prefill 32x128", 32, 128, 1), ("prefill 8x1024", 8, 1024, 1)]
 
 
+def profile(budget: int) -> None:
+    """torch.profiler's op table of one 8x1024 prefill in steps of ``budget`` tokens (the GEMMs'
+    ms per 1,024 rows: ``mkldnn::_linear_pointwise`` total / calls x 4 per layer-row-chunk)."""
+    import torch
+
+    llm = LLM(dtype="bfloat16", max_num_seqs=64, max_num_batched_tokens=budget, enable_prefix_caching=False)
+    rng = random.Random(0)
+    params = SamplingParams(temperature=0, max_tokens=1)
+
+    def run() -> None:
+        llm.generate([{"prompt_token_ids": [rng.randrange(100, 40000) for _ in range(1024)]} for _ in range(8)],
+                     params, use_tqdm=False)
+
+    run()  # warm-up
+    with torch.profiler.profile() as prof:
+        run()
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=8))
+
+
 def main() -> None:
+    if sys.argv[1] == "profile":
+        return profile(int(sys.argv[2]))
     budgets = [int(b) for b in sys.argv[1].split(",")]
     rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 2
     llms = {b: LLM(dtype="bfloat16", max_num_seqs=64, max_num_batched_tokens=b) for b in budgets}

@@ -227,6 +227,15 @@ def test_cache_salt_per_key_keeps_each_tenant_off_the_others_cached_prefixes(hos
     assert_still_serving(url, ctx, expected)
 
 
+def test_integral_floats_are_integers_as_in_json_schema(hostile):
+    """JSON Schema's ``integer`` (what /openapi.json says) includes ``2.0``: taken as 2, as vLLM does."""
+    url, ctx, expected = hostile
+    r = httpx.post(url + "/v1/completions", json={**NORMAL, "n": 2.0, "max_tokens": 6.0}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert [c["text"] for c in r.json()["choices"]] == [expected, expected]  # greedy: both the normal text
+    assert_still_serving(url, ctx, expected)
+
+
 def test_a_chunked_body_over_the_limit_is_413(hostile):
     url, ctx, expected = hostile
     chunk = b'{"prompt": "' + b"a" * 65536

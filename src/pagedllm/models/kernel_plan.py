@@ -26,8 +26,9 @@ BATCH Q8_ROWS``, ms per step, two rounds: batch 1 13.8 / 13.6 with (8, 8) agains
 There ``step_tokens`` is 2,048, not 1,024: oneDNN's AMX bf16 GEMM (``brg_matmul:avx10_1_512_amx``)
 runs the down projection (K 1,536, N 576) at 1.2-1.5 TF/s from 512 to 1,280 rows and 2.5-2.7 from
 2,048, and qkv (K 576, N 960) at 1.4 for 768-1,024 rows against 2.6-3.0 at 1,040 and above (two
-rounds of ``scripts/gemm_rows.py``, session 13); a 32x128 prefill's GEMMs took 1.07 ms per 1,024
-rows in 1,024-token steps against 0.71 in 4,096-token ones. ``scripts/step_budget_ab.py
+rounds of ``scripts/gemm_rows.py``, session 13); an 8x1024 prefill's GEMMs took 1.07 ms a call
+in 1,024-token steps against 0.72-0.82 per 1,024 rows in 4,096-token ones (two runs)
+(``scripts/step_budget_ab.py profile 1024`` / ``4096``). ``scripts/step_budget_ab.py
 1024,2048,4096`` (one process, budgets alternating; two rounds, tok/s, 1,024 / 2,048 / 4,096):
 prefill 32x128 4495, 3845 / 5621, 5679 / 5810, 5869; 8x1024 3187, 3796 / 4200, 4486 / 4239, 4278;
 decode x64 835, 850 / 887, 899 / 906, 871; x8 323, 346 / 336, 355 / 340, 365. 2,048 is vLLM's

@@ -11,7 +11,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from pagedllm.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from pagedllm.server.errors import OpenAIError, error_chunk
+from pagedllm.server.errors import error_chunk
 from pagedllm.server.protocol import CompletionRequest
 from pagedllm.server.serving import (
     ServerContext,
@@ -64,9 +64,7 @@ def _echo_prefix(ctx: ServerContext, out: RequestOutput) -> str:
 async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Request):
     ctx.check_model(req.model)
     ctx.check_costs(req)
-    prompts = req.prompts()
-    if not prompts:
-        raise OpenAIError(400, "prompt must not be empty", "prompt")
+    prompts = req.prompts()  # never empty: the model takes no empty prompt or list
     salt = ctx.cache_salt(req.cache_salt, raw)
     if salt is not None:
         prompts = [{"prompt" if isinstance(p, str) else "prompt_token_ids": p, "cache_salt": salt} for p in prompts]

@@ -59,7 +59,8 @@ def _errors(codes: tuple[int, ...]) -> dict[str, Any]:
     out = {}
     for code in codes:
         out[str(code)] = {"description": ERROR_DESCRIPTIONS[code], "content": {"application/json": {"schema": ref}}}
-    out.get("429", {})["headers"] = {"Retry-After": {"description": "seconds to wait", "schema": {"type": "string"}}}
+    if "429" in out:
+        out["429"]["headers"] = {"Retry-After": {"description": "seconds to wait", "schema": {"type": "string"}}}
     return out
 
 
@@ -100,9 +101,9 @@ STRUCTURED_OUTPUTS_SCHEMA = {
 }
 
 
-def _bound_token_ids(schema: dict | list, vocab_size: int) -> None:
-    """Every ``TokenId`` (marked ``TOKEN_ID_MARK``) under ``schema`` gets the vocabulary's last id
-    as its maximum. Integer bounds stay integers (FastAPI writes ``0.0``, which
+def _bound_integers(schema: dict | list, vocab_size: int) -> None:
+    """Integer bounds under ``schema`` as integers, and every ``TokenId`` (marked ``TOKEN_ID_MARK``)
+    bounded by the vocabulary's last id. Integer bounds stay integers (FastAPI writes ``0.0``, which
     would make a generator send a float where the strict models take only integers)."""
     if isinstance(schema, dict):
         if schema.get("type") == "integer":
@@ -112,10 +113,10 @@ def _bound_token_ids(schema: dict | list, vocab_size: int) -> None:
             if schema.get(TOKEN_ID_MARK):
                 schema["maximum"] = vocab_size - 1
         for value in schema.values():
-            _bound_token_ids(value, vocab_size)
+            _bound_integers(value, vocab_size)
     elif isinstance(schema, list):
         for value in schema:
-            _bound_token_ids(value, vocab_size)
+            _bound_integers(value, vocab_size)
 
 
 def _nullable_variant(prop: dict) -> dict:
@@ -126,7 +127,7 @@ def _nullable_variant(prop: dict) -> dict:
 
 def _apply_model_bounds(schemas: dict, ctx: ServerContext) -> None:
     engine = ctx.engine.engine
-    _bound_token_ids(schemas, engine.config.model.vocab_size)
+    _bound_integers(schemas, engine.config.model.vocab_size)
     max_model_len = engine.config.scheduler.max_model_len
     limits = ctx.limits
     for name in ("CompletionRequest", "ChatCompletionRequest"):
