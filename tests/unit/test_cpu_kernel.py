@@ -33,7 +33,7 @@ def test_ragged_decode_and_chunked_prefill_batch(backend, dtype):
                     dtype=dtype, backend=backend)
 
 
-@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2), (8, 1)])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (4, 2), (6, 2), (8, 1)])
 @pytest.mark.parametrize("block_size", [8, 16, 128])
 def test_gqa_ratios_and_block_sizes(backend, num_heads, num_kv_heads, block_size):
     run_and_compare([(30, 1), (50, 12), (block_size, 1), (3, 3), (2 * block_size + 5, 20)],

@@ -439,9 +439,9 @@ constexpr Q8Rows kQ8Rows[] = {q8_0_rows<1>, q8_0_rows<2>, q8_0_rows<3>, q8_0_row
 // R rows of x (float32, row stride K) times rows [begin, end) of a 4-bit weight in GGUF's Q4_0/Q4_1
 // block layout: 16 bytes per 32 weights, byte j holding weight j in its low nibble and weight j + 16
 // in its high one, and per block a (scale, minimum) pair in float16 (GGUF's own, exact), w = scale
-// * q + minimum. The minimum's share, minimum * sum(x over the block), is one more FMA per block
-// on xpart: the block's x summed in 8 lanes (lane j: x[j] + x[j + 8] + x[j + 16] + x[j + 24]),
-// computed once per call. R is a compile-time constant so the accumulators stay in registers
+// * q + minimum. For one row (and in the generic body) the minimum's share, minimum * sum(x over
+// the block), is one more FMA per block on xpart: the block's x summed in 8 lanes (lane j: x[j] +
+// x[j + 8] + x[j + 16] + x[j + 24]), computed once per call. R is a compile-time constant so the accumulators stay in registers
 // (R <= 8: 8 accumulators, the 4 unpacked weight vectors and one of x fit AVX2's 16).
 template <int R>
 void q4_rows(const float* x, const float* xpart, const uint8_t* codes, const at::Half* scale_min, float* out,
@@ -454,9 +454,12 @@ void q4_rows(const float* x, const float* xpart, const uint8_t* codes, const at:
 #if defined(__AVX2__) && !defined(__AVX512F__)
     // Bytes 0-7 zero-extended to 8 int32 lanes hold weights 0-7 in their low nibbles and 16-23 in
     // their high ones (bytes 8-15: 8-15 and 24-31), so one widening gives two vectors of weights.
-    // Up to 3 rows the products of the codes are summed per block and scaled once (6 FMAs per row
-    // and block); from 4 on, the weights are scaled once and shared (4 multiplies + 5 FMAs per row).
-    constexpr bool kScaleSums = R <= 3;
+    // One row: the products of the codes are summed per block, then scaled, and the minimum's
+    // share added from xpart (6 FMAs per block). From 2 rows on, the weights themselves are made
+    // once per block, w = scale * q + minimum (4 FMAs; scale * q is exact in float32, so the FMA
+    // rounds as the float32 dequantized weight does), and shared: 4 FMAs per row and block, no
+    // xpart (its FMA and load per row cost 15% at 8 rows).
+    constexpr bool kScaleSums = R == 1;
     __m256 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     const __m256i low4 = _mm256_set1_epi32(0x0F);
@@ -471,22 +474,21 @@ void q4_rows(const float* x, const float* xpart, const uint8_t* codes, const at:
       __m256 w2 = _mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4));
       __m256 w3 = _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4));
       if constexpr (!kScaleSums) {
-        w0 = _mm256_mul_ps(w0, d);
-        w1 = _mm256_mul_ps(w1, d);
-        w2 = _mm256_mul_ps(w2, d);
-        w3 = _mm256_mul_ps(w3, d);
+        w0 = _mm256_fmadd_ps(w0, d, m);
+        w1 = _mm256_fmadd_ps(w1, d, m);
+        w2 = _mm256_fmadd_ps(w2, d, m);
+        w3 = _mm256_fmadd_ps(w3, d, m);
       }
       for (int r = 0; r < R; ++r) {
         const float* xr = x + r * K + g * 32;
-        const __m256 xp = _mm256_loadu_ps(xpart + (r * G + g) * 8);
         if constexpr (kScaleSums) {
+          const __m256 xp = _mm256_loadu_ps(xpart + (r * G + g) * 8);
           __m256 t = _mm256_mul_ps(w0, _mm256_loadu_ps(xr));
           t = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xr + 8), t);
           t = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xr + 16), t);
           t = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xr + 24), t);
           acc[r] = _mm256_fmadd_ps(t, d, _mm256_fmadd_ps(xp, m, acc[r]));
         } else {
-          acc[r] = _mm256_fmadd_ps(xp, m, acc[r]);
           acc[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xr), acc[r]);
           acc[r] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xr + 8), acc[r]);
           acc[r] = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xr + 16), acc[r]);

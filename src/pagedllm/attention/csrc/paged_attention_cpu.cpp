@@ -213,6 +213,101 @@ inline float softmax_step(float* sr, int64_t n, int64_t visible, float& m, float
 #endif
 }
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// 8 stored K/V values -> 8 floats, in registers (float32, bfloat16 and float16 caches)
+template <typename T>
+constexpr bool kLoads8 = std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16> || std::is_same_v<T, c10::Half>;
+template <typename T>
+inline __m256 load8(const T* p);
+template <>
+inline __m256 load8<float>(const float* p) { return _mm256_loadu_ps(p); }
+template <>
+inline __m256 load8<c10::BFloat16>(const c10::BFloat16* p) {
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+template <>
+inline __m256 load8<c10::Half>(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// {sum of a's lanes, of b's, of c's, of d's}
+inline __m128 hsum4x8(__m256 a, __m256 b, __m256 c, __m256 d) {
+  const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+  return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+}
+
+// The few-row (decode) path's block step on AVX2, for R = 1-3 rows of one kv head: K and V are
+// read in their stored dtype and widened in registers, each key and value row once for all R rows
+// (the generic body converts the block into a float32 copy first, and its 16-float vectors take
+// two of AVX2's 16 registers each, so its Q K^T of 16 keys spilled to the stack). Scores 4 keys at
+// a time (R x 4 accumulators, reduced by hadd), the online-softmax step per row, then P V on
+// register tiles of R rows x 32 dims (kD % 32 == 0: the compiled head dims 32, 64 and 128). The P V sums run in the same order as the generic
+// AVX2 body's (acc * alpha, then one FMA per key); the Q K^T sums in another (8 lanes, then a
+// tree). A row with no visible key in the block is left as it is.
+template <typename T, int kD, int R>
+void decode_block_avx2(const T* kb, const T* vb, int64_t row_stride, int64_t n, const int64_t* visible,
+                       const float* qf, float* sc, int64_t KP, float* acc, float* m, float* l) {
+  constexpr int NV = kD / 8;
+  int64_t j = 0;
+  for (; j + 4 <= n; j += 4) {
+    __m256 s[R][4];
+    for (int r = 0; r < R; ++r) {
+      for (int jj = 0; jj < 4; ++jj) s[r][jj] = _mm256_setzero_ps();
+    }
+    for (int v = 0; v < NV; ++v) {
+      __m256 qv[R];
+      for (int r = 0; r < R; ++r) qv[r] = _mm256_loadu_ps(qf + r * kD + 8 * v);
+      for (int jj = 0; jj < 4; ++jj) {
+        const __m256 k = load8(kb + (j + jj) * row_stride + 8 * v);
+        for (int r = 0; r < R; ++r) s[r][jj] = _mm256_fmadd_ps(qv[r], k, s[r][jj]);
+      }
+    }
+    for (int r = 0; r < R; ++r) _mm_storeu_ps(sc + r * KP + j, hsum4x8(s[r][0], s[r][1], s[r][2], s[r][3]));
+  }
+  for (; j < n; ++j) {
+    __m256 s[R];
+    for (int r = 0; r < R; ++r) s[r] = _mm256_setzero_ps();
+    for (int v = 0; v < NV; ++v) {
+      const __m256 k = load8(kb + j * row_stride + 8 * v);
+      for (int r = 0; r < R; ++r) s[r] = _mm256_fmadd_ps(_mm256_loadu_ps(qf + r * kD + 8 * v), k, s[r]);
+    }
+    for (int r = 0; r < R; ++r) sc[r * KP + j] = hsum8(s[r]);
+  }
+  float alpha[R];
+  int64_t keys = 0;
+  for (int r = 0; r < R; ++r) {
+    if (visible[r] > 0) {
+      alpha[r] = softmax_step(sc + r * KP, n, visible[r], m[r], l[r]);
+      keys = std::max(keys, visible[r]);
+    } else {
+      alpha[r] = 1.f;
+      std::fill(sc + r * KP, sc + r * KP + n, 0.f);
+    }
+  }
+  static_assert(kD % 32 == 0, "P V tiles of 32 dims");
+  constexpr int C = 4;  // 8-float registers per row in one P V tile
+  for (int c0 = 0; c0 < NV; c0 += C) {
+    __m256 a[R][C];
+    for (int r = 0; r < R; ++r) {
+      const __m256 scale_old = _mm256_set1_ps(alpha[r]);
+      for (int i = 0; i < C; ++i) a[r][i] = _mm256_mul_ps(_mm256_loadu_ps(acc + r * kD + 8 * (c0 + i)), scale_old);
+    }
+    for (int64_t jj = 0; jj < keys; ++jj) {
+      __m256 p[R];
+      for (int r = 0; r < R; ++r) p[r] = _mm256_broadcast_ss(sc + r * KP + jj);
+      for (int i = 0; i < C; ++i) {
+        const __m256 vv = load8(vb + jj * row_stride + 8 * (c0 + i));
+        for (int r = 0; r < R; ++r) a[r][i] = _mm256_fmadd_ps(p[r], vv, a[r][i]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      for (int i = 0; i < C; ++i) _mm256_storeu_ps(acc + r * kD + 8 * (c0 + i), a[r][i]);
+    }
+  }
+}
+#endif
+
 // One (query tile, kv head) item by small GEMMs over a converted sequence, kKeyChunk keys at a
 // time: rows r = i * G + g (query token i, head g), the first token at absolute position first_pos.
 // kD % 16 == 0.
@@ -465,6 +560,20 @@ void attention_kernel(const T* q, const T* kc, const T* vc, T* out, const int64_
             }
           }
         }
+#if defined(__AVX2__) && !defined(__AVX512F__)
+        if constexpr (kD > 0 && kD % 32 == 0 && kLoads8<T>) {
+          if (rows <= 3) {  // every few-row tile here (the tiled path takes 4 rows and up)
+            int64_t visible[3];
+            for (int64_t r = 0; r < rows; ++r) visible[r] = std::min<int64_t>(n, row_pos[r] - b * B + 1);
+            constexpr void (*kDecodeBlock[])(const T*, const T*, int64_t, int64_t, const int64_t*, const float*,
+                                             float*, int64_t, float*, float*, float*) = {
+                decode_block_avx2<T, kD, 1>, decode_block_avx2<T, kD, 2>, decode_block_avx2<T, kD, 3>};
+            kDecodeBlock[rows - 1](kb, vb, row_stride, n, visible, qf.data(), scores.data(), KP, acc.data(),
+                                   m.data(), l.data());
+            continue;
+          }
+        }
+#endif
         for (int64_t j = 0; j < n; ++j) {
           if constexpr (!bf16_dot) to_float(kb + j * row_stride, &kf[j * D], D);
           to_float(vb + j * row_stride, &vf[j * D], D);
