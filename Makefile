@@ -26,6 +26,12 @@ LLAMACPP_CMAKE := $(if $(shell grep -m1 -ow amx_tile /proc/cpuinfo 2>/dev/null),
   -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF \
   -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF,-DGGML_NATIVE=ON)
 
+# `make test CPU_FAMILY=avx2` (or avx512, avx512_bf16): the suite as a CPU of that smaller x86
+# family runs it, on a bigger one: pagedllm's CPU flags, its C++ builds (made into the cache; the
+# installed ones stay this CPU's) and torch's own kernels are capped to the family
+# (src/pagedllm/build_record.py). CI runs plain `make test`.
+AS_FAMILY := $(if $(CPU_FAMILY),PAGEDLLM_CPU_FAMILY=$(CPU_FAMILY))
+
 .PHONY: run test lint bench clean gpu-wheels peers
 
 $(STAMP): pyproject.toml setup.py Makefile $(CSRC)
@@ -52,7 +58,8 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m ruff check src tests
-	$(PY) -m pytest -q
+	$(if $(CPU_FAMILY),$(AS_FAMILY) $(PY) -m pagedllm.cpu_extension --build)
+	$(AS_FAMILY) $(PY) -m pytest -q
 
 bench: $(STAMP)
 	$(PY) -m pagedllm.cli bench throughput

@@ -8,6 +8,14 @@ Public API (imported lazily so ``import pagedllm`` stays cheap): ``LLM``, ``Samp
 from __future__ import annotations
 
 import importlib
+import os
+
+from pagedllm.build_record import emulated_family
+
+# PAGEDLLM_CPU_FAMILY (build_record): cap torch's own kernels to that family too. ATen and oneDNN
+# read these at their first dispatch, so this holds wherever pagedllm is imported before any op ran.
+for _name, _value in (_family.torch_env if (_family := emulated_family()) else ()):
+    os.environ.setdefault(_name, _value)
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "RequestOutputKind", "RequestOutput", "CompletionOutput", "Logprob",

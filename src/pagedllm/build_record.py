@@ -8,18 +8,74 @@ against that torch), and the CPU's instruction-set flags (``-march=native`` may 
 why an installed build cannot run here (None when it can). ``cache_key`` names an on-demand build
 in the cache folder. Only the standard library is imported at module level, so ``setup.py``
 can load this file on its own.
+
+``PAGEDLLM_CPU_FAMILY`` (``avx2``, ``avx512``, ``avx512_bf16``) makes a bigger x86 CPU pass for one
+of a smaller family, so one machine runs the suite as another would (``make test CPU_FAMILY=avx2``):
+the flags that family lacks are dropped from what this CPU is said to have (``this_cpu_isa_flags``,
+and so ``cpu_features.detect``), and the compiler is told not to emit them (``CFLAGS``). torch's
+own kernels are capped to match by ``pagedllm/__init__.py`` (``EMULATION_ENV``).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+FAMILY_ENV = "PAGEDLLM_CPU_FAMILY"
+
+
+@dataclass(frozen=True)
+class EmulatedFamily:
+    """What a bigger CPU drops to pass for one of ``name``'s family."""
+
+    name: str
+    needs: tuple[str, ...]          # /proc/cpuinfo flags the real CPU must have
+    drops: tuple[str, ...]          # prefixes of the flags this family lacks
+    compiler_flags: tuple[str, ...]  # keep -march=native from emitting them (GCC >= 12)
+    torch_env: tuple[tuple[str, str], ...]  # caps for ATen's and oneDNN's own run-time dispatch
+
+
+_AMX_OFF = ("-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16")
+EMULATED_FAMILIES = {f.name: f for f in (
+    EmulatedFamily("avx2", ("avx2", "fma"), ("avx512", "amx", "avx_vnni", "avx_ne_convert", "avx_ifma"),
+                   ("-mno-avx512f", "-mno-avxvnni", *_AMX_OFF),
+                   (("ATEN_CPU_CAPABILITY", "avx2"), ("ONEDNN_MAX_CPU_ISA", "AVX2"))),
+    EmulatedFamily("avx512", ("avx512f", "avx512bw", "avx512vl", "avx512dq"), ("avx512_bf16", "avx512_fp16", "amx"),
+                   ("-mno-avx512bf16", "-mno-avx512fp16", *_AMX_OFF),
+                   (("ATEN_CPU_CAPABILITY", "avx512"), ("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_VNNI"))),
+    EmulatedFamily("avx512_bf16", ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"),
+                   ("avx512_fp16", "amx"), ("-mno-avx512fp16", *_AMX_OFF),
+                   (("ATEN_CPU_CAPABILITY", "avx512"), ("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16"))),
+)}
+
+
+def emulated_family() -> EmulatedFamily | None:
+    """The family ``PAGEDLLM_CPU_FAMILY`` asks for, or None; a name not in ``EMULATED_FAMILIES`` raises."""
+    name = os.environ.get(FAMILY_ENV, "").strip()
+    if not name:
+        return None
+    if name not in EMULATED_FAMILIES:
+        raise ValueError(f"{FAMILY_ENV} must be one of {sorted(EMULATED_FAMILIES)}, got {name!r}")
+    return EMULATED_FAMILIES[name]
+
+
+def as_family(flags: frozenset[str], family: EmulatedFamily | None) -> frozenset[str]:
+    """``flags`` less what ``family`` lacks; a CPU without the family's own flags cannot pass for it."""
+    if family is None:
+        return flags
+    missing = [f for f in family.needs if f not in flags]
+    if missing:
+        raise ValueError(f"{FAMILY_ENV}={family.name} needs a CPU with {', '.join(missing)}, which this one lacks")
+    return frozenset(f for f in flags if not f.startswith(family.drops))
+
+
 # -fno-trapping-math lets GCC vectorise floorf (used by the polynomial exp); values are unchanged
-CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-trapping-math")
+_FAMILY = emulated_family()
+CFLAGS = ("-O3", "-march=native", *(_FAMILY.compiler_flags if _FAMILY else ()), "-fopenmp", "-fno-trapping-math")
 LDFLAGS = ("-fopenmp",)
 PACKAGE_ROOT = Path(__file__).parent
 SHARED_HEADERS = PACKAGE_ROOT / "csrc"  # cpu_vec.h: vectors, hsum, exp shared by the extensions
@@ -46,8 +102,9 @@ def cpu_isa_flags(cpuinfo: str) -> frozenset[str]:
 
 
 def this_cpu_isa_flags() -> frozenset[str]:
+    """This CPU's flags, as the family of ``PAGEDLLM_CPU_FAMILY`` has them when that is set."""
     try:
-        return cpu_isa_flags(Path("/proc/cpuinfo").read_text())
+        return as_family(cpu_isa_flags(Path("/proc/cpuinfo").read_text()), _FAMILY)
     except OSError:  # not Linux: nothing recorded, nothing required
         return frozenset()
 

@@ -6,8 +6,10 @@ that build only when the record matches this process (same sources, flags and to
 instruction set this CPU lacks: ``build_record.why_unusable``). Otherwise it compiles the
 source with ``torch.utils.cpp_extension.load`` into ``<cache>/kernels/<key>``, the key covering
 everything the record holds (``build_record.cache_key``), after one line on stderr; with
-``PAGEDLLM_NO_BUILD=1`` it does not compile. A build that cannot be had (no compiler, no ninja,
-builds turned off) is remembered: callers get ``None`` plus the reason, logged once per extension.
+``PAGEDLLM_NO_BUILD=1`` it does not compile, but still imports a build already in the cache
+(``python -m pagedllm.cpu_extension --build`` makes them: ``make test CPU_FAMILY=...``). A build
+that cannot be had (no compiler, no ninja, builds turned off) is remembered: callers get ``None``
+plus the reason, logged once per extension.
 """
 
 from __future__ import annotations
@@ -61,6 +63,9 @@ class CppExtension:
         if self.module is not None:
             return self.module
         if on_demand_builds_disabled():
+            self.module = load_cached(self.stem, here)
+            if self.module is not None:
+                return self.module
             return self._fail("is unavailable", f"{why_not_installed}, and on-demand builds are off ({NO_BUILD_ENV}=1)")
         try:
             self.module = build_on_demand(self.stem, self.source, here, self.purpose, why_not_installed)
@@ -100,14 +105,31 @@ def load_installed(source: Path, here: BuildRecord):
         return None, f"the installed build does not import ({e})"
 
 
+def cached_build(stem: str, here: BuildRecord) -> tuple[str, Path]:
+    """The module name and folder of the on-demand build of ``stem`` for ``here``."""
+    key = cache_key(here)
+    return f"{stem}_{key}", cache_dir() / "kernels" / key
+
+
+def load_cached(stem: str, here: BuildRecord):
+    """The on-demand build for ``here`` if one was made before (the cache key covers sources,
+    flags, torch and CPU), imported without compiling; else None."""
+    name, build = cached_build(stem, here)
+    library = build / f"{name}.so"
+    if not library.exists():
+        return None
+    spec = importlib.util.spec_from_file_location(name, library)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def build_on_demand(stem: str, source: Path, here: BuildRecord, purpose: str, why: str):
     """Compile ``source`` into the cache, saying so in one line on stderr, or load it from there if
     built before; then import it."""
     from torch.utils import cpp_extension
 
-    key = cache_key(here)
-    name = f"{stem}_{key}"
-    build = cache_dir() / "kernels" / key
+    name, build = cached_build(stem, here)
     if not (build / f"{name}.so").exists():
         print(f"pagedllm: building {purpose} for this CPU (once, about 30 s; {why})...", file=sys.stderr, flush=True)
     build.mkdir(parents=True, exist_ok=True)
@@ -126,5 +148,22 @@ def installed_builds_report() -> list[str]:
     return lines
 
 
-if __name__ == "__main__":  # `python -m pagedllm.cpu_extension`: what the Makefile prints after installing
+def build_all() -> list[str]:
+    """Load every C++ extension of the package, building into the cache what the installed build
+    does not cover (for ``PAGEDLLM_CPU_FAMILY``'s flags, say); one line per extension."""
+    from pagedllm.attention.cpu_kernel import EXTENSION as attention
+    from pagedllm.models.decoder_stack import EXTENSION as decoder_stack
+    from pagedllm.models.layer_ops import EXTENSION as layer_ops
+
+    extensions = (attention, layer_ops, decoder_stack)
+    return [f"{e.purpose}: {'loaded' if e.load() is not None else e.failure}" for e in extensions]
+
+
+if __name__ == "__main__":
+    # `python -m pagedllm.cpu_extension`: what the Makefile prints after installing; `--build`: build
+    # what does not fit (before `make test CPU_FAMILY=...`, whose suite never compiles)
+    if sys.argv[1:] == ["--build"]:
+        lines = build_all()
+        print("\n".join(lines))
+        sys.exit(0 if all(line.endswith(": loaded") for line in lines) else 1)
     print("\n".join(installed_builds_report()))

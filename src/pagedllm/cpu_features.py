@@ -149,8 +149,9 @@ def _torch_flags() -> frozenset[str]:
 
 @functools.cache
 def detect() -> CpuFeatures:
-    """This machine's CPU: /proc/cpuinfo's first processor, else torch's CPUID answers."""
-    from pagedllm.build_record import cpu_isa_flags
+    """This machine's CPU: /proc/cpuinfo's first processor, else torch's CPUID answers; passing for
+    a smaller family where ``PAGEDLLM_CPU_FAMILY`` says so (``build_record.as_family``)."""
+    from pagedllm.build_record import as_family, cpu_isa_flags, emulated_family
 
     arch = platform.machine()
     try:
@@ -159,7 +160,7 @@ def detect() -> CpuFeatures:
         flags = frozenset()
     if not flags and arch in ("x86_64", "AMD64"):
         flags = _torch_flags()
-    return CpuFeatures(arch, flags)
+    return CpuFeatures(arch, as_family(flags, emulated_family()))
 
 
 def current() -> CpuFeatures:

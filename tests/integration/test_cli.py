@@ -11,6 +11,7 @@ import torch
 
 from pagedllm import cpu_features
 from pagedllm.cli import main as cli_main
+from pagedllm.models.layer_ops import get_layer_ops
 from tests.conftest import make_tiny_checkpoint
 
 
@@ -125,7 +126,9 @@ def test_bench_matmul_times_every_projection_with_each_kernel(tmp_path):
     assert report["projections"]["qkv"]["shape"] == [960, 576]
     # every kernel this CPU has is timed; a packing oneDNN refuses here is named, with the reason
     cpu = cpu_features.detect()
-    packings = {"prepacked": cpu.onednn_packs(torch.bfloat16), "prepacked_fp32": cpu.onednn_packs(torch.float32)}
+    ops = get_layer_ops("cpu")
+    packings = {"prepacked": cpu.onednn_packs(torch.bfloat16), "prepacked_fp32": cpu.onednn_packs(torch.float32),
+                "panels_fp32": hasattr(ops, "ops") and ops.ops.has_panel_linear()}
     expected = {"dense", "plain_fp32", "gguf_blocks"} | {k for k, ok in packings.items() if ok}
     assert set(report["not_timed"]) == {k for k, ok in packings.items() if not ok}
     assert cpu.family in report["cpu"]

@@ -91,9 +91,12 @@ def test_tiny_checkpoints_equal_the_python_loop(tmp_path, monkeypatch, arch, dty
     prompts = prompts_for(512)
     half = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(dtype)
     widen = torch.float32 if half is not None and not native_bf16 and matmul_dtype(half) == torch.float32 else None
-    for layer in llm.engine.runner.model.layers:  # bf16: oneDNN's packed weights, float32: plain ones
-        assert layer.mlp.down_proj.widen == widen
-        assert (layer.mlp.down_proj.packed is None) == (dtype == "float32" or (dtype == "float16" and widen is None))
+    # bf16: oneDNN's packed weights, or the AVX2 panel GEMM's panels where widened on AVX2; float32: plain ones
+    panels = widen is not None and llm.engine.kernel_plan.dense_kernel == "panels"
+    for layer in llm.engine.runner.model.layers:
+        assert layer.mlp.down_proj.widen == widen and (layer.mlp.down_proj.panels is not None) == panels
+        assert (layer.mlp.down_proj.packed is None) == (
+            dtype == "float32" or (dtype == "float16" and widen is None) or panels)
     if kind is not None:
         llm.generate([{"prompt_token_ids": [5]}], PARAMS, use_tqdm=False)  # builds the stack before the change
         model = llm.engine.runner.model
@@ -132,16 +135,20 @@ def test_the_python_loop_runs_where_the_stack_does_not_apply(tmp_path):
     assert model.decoder_stack(llm.engine.runner.backend) is None
 
 
-def test_widened_layers_keep_float32_between_the_ops(tmp_path, monkeypatch):
+@pytest.mark.parametrize("family", ["avx2", "avx512"])
+def test_widened_layers_keep_float32_between_the_ops(tmp_path, monkeypatch, family):
     """Where the GEMMs compute in float32 (here forced, as on a CPU without native bf16), the stack
     hands float32 rows from op to op: two dtype conversions per layer instead of the Python loop's
-    eight (one into and one out of each projection), with the same results."""
-    force_cpu_family(monkeypatch, "avx2")  # no native bf16: float32 GEMMs, on any x86 CPU with AVX2
+    eight (one into and one out of each projection), with the same results. Both widened dense
+    kernels: the AVX2 panel GEMM (avx2) and oneDNN's packed float32 one (avx512)."""
+    force_cpu_family(monkeypatch, family)  # no native bf16: float32 GEMMs, on any x86 CPU with AVX2
     folder = make_tiny_checkpoint(tmp_path / "qwen2", "qwen2")
     llm = LLM(model=folder, dtype="bfloat16", block_size=8, num_kv_blocks=64, attention_backend="cpu",
               enable_prefix_caching=False)
     model = llm.engine.runner.model
     assert all(layer.mlp.down_proj.widen == torch.float32 for layer in model.layers)
+    down = model.layers[0].mlp.down_proj
+    assert (down.panels is not None, down.packed is not None) == ((True, False) if family == "avx2" else (False, True))
     assert_stack_equals_python_loop(llm, prompts_for(512, (3, 40)))
     copies = {}
     for loop in ("python", "auto"):
@@ -156,7 +163,7 @@ def test_widened_layers_keep_float32_between_the_ops(tmp_path, monkeypatch):
 def test_without_onednn_packing_a_bf16_model_keeps_plain_float32_weights(tmp_path, monkeypatch):
     """A CPU whose oneDNN packs nothing (forced: an x86 CPU without AVX2) widens each bf16 layer into
     a plain float32 copy (MKL's sgemm); the stack does not run that layout, so the Python loop does,
-    and greedy tokens equal those of the packed float32 GEMMs of an AVX2 CPU."""
+    and greedy tokens equal those of the float32 panel GEMM of an AVX2 CPU."""
     folder = make_tiny_checkpoint(tmp_path / "qwen2", "qwen2")
     prompts = [{"prompt_token_ids": p} for p in prompts_for(512, (3, 40))]
     tokens = {}
@@ -165,8 +172,8 @@ def test_without_onednn_packing_a_bf16_model_keeps_plain_float32_weights(tmp_pat
         llm = LLM(model=folder, dtype="bfloat16", block_size=8, num_kv_blocks=64, attention_backend="cpu")
         model = llm.engine.runner.model
         down = model.layers[0].mlp.down_proj
-        assert down.widen == torch.float32 and (down.packed is None) == (family == "baseline")
-        assert (down.wide_weight is not None) == (family == "baseline")
+        assert down.widen == torch.float32 and down.packed is None
+        assert (down.wide_weight is not None, down.panels is not None) == (family == "baseline", family == "avx2")
         assert (model.decoder_stack(llm.engine.runner.backend) is None) == (family == "baseline")
         assert llm.engine.kernel_plan.family == family and family in llm.engine.kernels_line()
         tokens[family] = [o.outputs[0].token_ids for o in llm.generate(prompts, PARAMS, use_tqdm=False)]

@@ -12,8 +12,19 @@ import pytest
 import pagedllm
 from pagedllm import build_record, cpu_extension
 from pagedllm.attention.cpu_kernel import EXTENSION as ATTENTION
-from pagedllm.build_record import BuildRecord, cache_key, cpu_isa_flags, installed_module_name, why_unusable
+from pagedllm.build_record import (
+    EMULATED_FAMILIES,
+    FAMILY_ENV,
+    BuildRecord,
+    as_family,
+    cache_key,
+    cpu_isa_flags,
+    emulated_family,
+    installed_module_name,
+    why_unusable,
+)
 from pagedllm.cpu_extension import NO_BUILD_ENV, CppExtension, installed_record_path, on_demand_builds_disabled
+from pagedllm.cpu_features import CpuFeatures
 from pagedllm.models.layer_ops import EXTENSION as LAYER_OPS
 
 EXTENSIONS = {"paged_attention": ATTENTION, "layer_ops": LAYER_OPS}
@@ -38,6 +49,28 @@ def test_the_suite_never_builds_on_demand():
     assert on_demand_builds_disabled()
 
 
+# `make test CPU_FAMILY=...` loads builds made into the cache for that family's flags, which the
+# installed build (made for this CPU) cannot be
+EMULATED = emulated_family()
+needs_the_installed_build = pytest.mark.skipif(
+    EMULATED is not None, reason=f"{FAMILY_ENV}={EMULATED and EMULATED.name}: the extensions are the cache's "
+                                 "builds for that family, not the installed one")
+
+
+@pytest.mark.skipif(EMULATED is None, reason=f"{FAMILY_ENV} is not set: the installed builds are used")
+@pytest.mark.parametrize("name", EXTENSIONS)
+def test_an_emulated_family_loads_the_cache_build_for_its_flags(name):
+    extension = fresh_copy(EXTENSIONS[name])
+    module = extension.load()
+    assert module is not None, f"no build for {EMULATED.name} (make test CPU_FAMILY=... builds it): {extension.failure}"
+    here = BuildRecord.here(extension.source)
+    assert set(EMULATED.compiler_flags) <= set(here.cflags)
+    assert not any(f.startswith(EMULATED.drops) for f in here.cpu_flags)
+    name, folder = cpu_extension.cached_build(extension.stem, here)
+    assert Path(module.__file__) == folder / f"{name}.so" and module.__name__ == name
+
+
+@needs_the_installed_build
 @pytest.mark.parametrize("name", EXTENSIONS)
 def test_both_extensions_load_from_the_installed_build(name):
     extension = fresh_copy(EXTENSIONS[name])
@@ -116,6 +149,7 @@ def cpu_without_a_recorded_flag(monkeypatch):
     return lacking
 
 
+@needs_the_installed_build
 def test_without_on_demand_builds_load_gives_none_and_says_why(cpu_without_a_recorded_flag, monkeypatch):
     def must_not_build(*args, **kwargs):
         raise AssertionError("on-demand builds are off")
@@ -127,6 +161,7 @@ def test_without_on_demand_builds_load_gives_none_and_says_why(cpu_without_a_rec
     assert extension.load() is None  # remembered, not retried
 
 
+@needs_the_installed_build
 def test_with_on_demand_builds_a_mismatch_builds_into_the_cache(cpu_without_a_recorded_flag, monkeypatch,
                                                                 tmp_path, capsys):
     from torch.utils import cpp_extension as torch_cpp_extension
@@ -146,3 +181,31 @@ def test_with_on_demand_builds_a_mismatch_builds_into_the_cache(cpu_without_a_re
     stderr = capsys.readouterr().err.strip().splitlines()
     assert len(stderr) == 1 and "building the C++ paged-attention kernel" in stderr[0]
     assert cpu_without_a_recorded_flag in stderr[0]
+
+
+SAPPHIRE_RAPIDS = cpu_isa_flags("flags\t: sse4_2 avx f16c fma avx2 avx_vnni avx512f avx512bw avx512vl avx512dq "
+                                "avx512_vnni avx512_bf16 avx512_fp16 amx_tile amx_bf16 amx_int8 bmi2\n")
+
+
+@pytest.mark.parametrize("name", sorted(EMULATED_FAMILIES))
+def test_a_bigger_cpu_passes_for_each_smaller_family(name):
+    family = EMULATED_FAMILIES[name]
+    flags = as_family(SAPPHIRE_RAPIDS, family)
+    assert CpuFeatures("x86_64", flags).family == name
+    assert {"sse4_2", "avx2", "fma", "bmi2"} <= flags and not flags & {"amx_tile", "amx_bf16", "avx512_fp16"}
+    assert as_family(SAPPHIRE_RAPIDS, None) == SAPPHIRE_RAPIDS
+
+
+def test_a_cpu_cannot_pass_for_a_family_it_is_below():
+    zen3 = cpu_isa_flags("flags\t: sse4_2 avx f16c fma avx2 bmi2\n")
+    with pytest.raises(ValueError, match="avx512_bf16"):
+        as_family(zen3, EMULATED_FAMILIES["avx512_bf16"])
+    assert CpuFeatures("x86_64", as_family(zen3, EMULATED_FAMILIES["avx2"])).family == "avx2"
+
+
+def test_an_unknown_family_name_is_refused(monkeypatch):
+    monkeypatch.setenv(FAMILY_ENV, "avx1024")
+    with pytest.raises(ValueError, match="PAGEDLLM_CPU_FAMILY must be one of"):
+        emulated_family()
+    monkeypatch.setenv(FAMILY_ENV, "")
+    assert emulated_family() is None

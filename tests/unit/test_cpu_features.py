@@ -13,12 +13,21 @@ import pytest
 import torch
 
 from pagedllm import cpu_features
+from pagedllm.build_record import emulated_family
 from pagedllm.cpu_features import FAMILIES, CpuFeatures, matmul_dtype, native_bf16
 from pagedllm.models.kernel_plan import plan_kernels
 from pagedllm.models.quantized_linear import Linear, prepack_for_onednn
 
-AMX = bool(torch.cpu._is_amx_tile_supported())
-AVX512_BF16 = bool(torch.cpu._is_avx512_bf16_supported())
+EMULATED = emulated_family()
+
+
+def cpuid(answer: bool, flag: str) -> bool:
+    """torch's CPUID answer about ``flag``, less what ``PAGEDLLM_CPU_FAMILY`` hides from pagedllm."""
+    return bool(answer) and not (EMULATED is not None and flag.startswith(EMULATED.drops))
+
+
+AMX = cpuid(torch.cpu._is_amx_tile_supported(), "amx_tile")
+AVX512_BF16 = cpuid(torch.cpu._is_avx512_bf16_supported(), "avx512_bf16")
 HERE = cpu_features.detect()
 
 # the engine's choice for a bf16 model: Linear.prepack(matmul_dtype(bfloat16)), then a 64-row step
@@ -53,7 +62,7 @@ def test_matmul_dtype_follows_the_cpu_flags():
 
 def test_this_cpu_agrees_with_torchs_cpuid_answers():
     assert HERE.avx2 == bool(torch.cpu._is_avx2_supported())
-    assert HERE.avx512 == bool(torch.cpu._is_avx512_supported())
+    assert HERE.avx512 == cpuid(torch.cpu._is_avx512_supported(), "avx512f")
     assert HERE.native_bf16 == (AMX or AVX512_BF16)
     assert HERE.family in FAMILIES and HERE.family in HERE.describe()
 
@@ -114,6 +123,9 @@ def test_each_family_gets_its_measured_kernel_plan(family):
     # steps of 2,048 tokens where AMX tiles run the bf16 GEMMs (measured there); 1,024 elsewhere
     assert plan.step_tokens == (2048 if family == "amx" else 1024) and fp32.step_tokens == 1024
     assert f"steps of {plan.step_tokens} tokens" in plan.describe()
+    # our AVX2 panel GEMM for widened models on AVX2 only; float32 models keep MKL's sgemm
+    assert plan.dense_kernel == ("panels" if family == "avx2" else "onednn") and fp32.dense_kernel == "onednn"
+    assert ("AVX2 panels" in plan.describe()) == (family == "avx2")
 
 
 @pytest.mark.parametrize("family", ["avx2", "baseline", "neon"])

@@ -10,7 +10,14 @@ import torch
 from pagedllm import cpu_features
 from pagedllm.models.gguf_quant import BlockQuantized, decode_blocks
 from pagedllm.models.layer_ops import EXTENSION, CpuLayerOps, TorchLayerOps, get_layer_ops
-from pagedllm.models.quantized_linear import Int4BlockMatmul, Int4Matmul, Int8BlockMatmul, Linear, quantized_matmul
+from pagedllm.models.quantized_linear import (
+    Int4BlockMatmul,
+    Int4Matmul,
+    Int8BlockMatmul,
+    Linear,
+    pack_panels,
+    quantized_matmul,
+)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 TORCH = TorchLayerOps()
@@ -186,3 +193,64 @@ def test_float32_compute_of_a_half_precision_linear_rounds_the_float32_product_o
 def test_float32_weights_are_not_prepacked():
     lin = Linear(64, 64)
     assert not lin.prepack() and lin.packed is None and lin.weight is not None
+
+
+@pytest.fixture(scope="module")
+def panel_ops(ops):
+    if not ops.ops.has_panel_linear():
+        pytest.skip(f"the AVX2 panel GEMM is not built on this CPU ({HERE.describe()}: no AVX2/FMA)")
+    return ops.ops
+
+
+@pytest.mark.parametrize("m", [1, 5, 6, 7, 97, 200])
+@pytest.mark.parametrize("n,k", [(16, 64), (37, 100), (960, 576)])
+def test_panel_linear_equals_the_float32_product(panel_ops, m, n, k):
+    """Every row tile (1-6 rows, row blocks of 96), a partial last panel (N % 16) and a bias: the
+    float32 product up to float32 summation order; a bf16 input is widened exactly first."""
+    gen = torch.Generator().manual_seed(m * 1000 + n)
+    x, w, b = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
+    panels = pack_panels(w)
+    assert panels.shape == (-(-n // 16), k, 16)
+    for bias in (None, b):
+        y = panel_ops.panel_linear(x, panels, bias, n)
+        exact = torch.nn.functional.linear(x.double(), w.double(), None if bias is None else bias.double())
+        assert y.dtype == torch.float32 and y.shape == (m, n)
+        torch.testing.assert_close(y.double(), exact, rtol=1e-5, atol=1e-5 * k ** 0.5)
+    xb = x.bfloat16()
+    assert torch.equal(panel_ops.panel_linear(xb, panels, None, n), panel_ops.panel_linear(xb.float(), panels, None, n))
+
+
+def test_a_panel_linear_row_does_not_depend_on_the_other_rows(panel_ops):
+    """Each output is one FMA chain over k: a row's bits are the same alone, in any tile position
+    and in any row block, so a request's logits do not depend on its batch."""
+    gen = torch.Generator().manual_seed(7)
+    x, w = torch.randn(150, 96, generator=gen), torch.randn(50, 96, generator=gen)
+    panels = pack_panels(w)
+    full = panel_ops.panel_linear(x, panels, None, 50)
+    for row in (0, 5, 6, 95, 96, 149):
+        assert torch.equal(panel_ops.panel_linear(x[row:row + 1], panels, None, 50)[0], full[row])
+
+
+def test_panel_linear_refuses_panels_of_another_shape(panel_ops):
+    panels = pack_panels(torch.randn(40, 32))
+    with pytest.raises(RuntimeError, match="ceil"):
+        panel_ops.panel_linear(torch.randn(2, 32), panels, None, 60)
+    with pytest.raises(RuntimeError, match="bias"):
+        panel_ops.panel_linear(torch.randn(2, 32), panels, torch.randn(39), 40)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_linear_widened_into_panels_rounds_the_float32_product_once(panel_ops, dtype):
+    torch.manual_seed(0)
+    lin = Linear(192, 50, bias=True).to(dtype)
+    weight, bias32 = lin.weight.detach().float(), lin.bias.detach().float()
+    assert lin.prepack(torch.float32, panel_ops) and lin.weight is None and lin.packed is None
+    assert lin.panels is not None and lin.widen == torch.float32
+    for rows in (1, 7, 64, 300):
+        x = torch.randn(rows, 192, generator=torch.Generator().manual_seed(rows)).to(dtype)
+        with torch.no_grad():
+            y = lin(x)
+        assert y.dtype == dtype
+        assert torch.equal(y, panel_ops.panel_linear(x, lin.panels, lin.packed_bias, 50).to(dtype))
+        exact = torch.nn.functional.linear(x.float(), weight, bias32)
+        torch.testing.assert_close(y.float(), exact, rtol=2**-8 if dtype == torch.bfloat16 else 2**-10, atol=1e-3)

@@ -6,8 +6,9 @@ weight (what HF and the first engine used), the same weight prepacked for oneDNN
 (``prepack_for_onednn``, identical results), the weight widened to float32 and prepacked, timed
 with the activation's widening and the output's rounding as the engine runs it on a CPU without
 native bf16 (``cpu_features.matmul_dtype``), the same float32 weight unpacked (MKL's sgemm: the
-path where oneDNN packs no float32), and the weight-only kernel over the GGUF's own
-blocks (for the Q4_1 projections torch's int4 kernel, ``gguf_blocks``, and our C++ 4-bit one,
+path where oneDNN packs no float32), the same float32 weight as panels for our AVX2 GEMM
+(``panels_fp32``, ``csrc/panel_gemm.h``: where the C++ layer ops have it), and the weight-only
+kernel over the GGUF's own blocks (for the Q4_1 projections torch's int4 kernel, ``gguf_blocks``, and our C++ 4-bit one,
 ``gguf_blocks_cpp``; the C++ Q8_0 kernel for the LM head). The per-layer total
 shows where the quantized path stops paying (each family's crossovers: ``kernel_plan``). A
 packing oneDNN does not do on this CPU (``CpuFeatures.onednn_packs``) is not timed, and the
@@ -36,12 +37,16 @@ def _plain_widened(x: torch.Tensor, weight32: torch.Tensor) -> torch.Tensor:
     return F.linear(x.float(), weight32).to(x.dtype)
 
 
+def _panels(ops, x: torch.Tensor, panels: torch.Tensor, n: int) -> torch.Tensor:
+    return ops.panel_linear(x, panels, None, n).to(x.dtype)  # widens x inside, as the engine's Linear
+
+
 def main(args) -> dict:
     from pagedllm import cpu_features
     from pagedllm.models.gguf_quant import BlockQuantized
     from pagedllm.models.layer_ops import get_layer_ops
     from pagedllm.models.loader import load_weights, resolve_model_path
-    from pagedllm.models.quantized_linear import onednn_linear, prepack_for_onednn, quantized_matmul
+    from pagedllm.models.quantized_linear import onednn_linear, pack_panels, prepack_for_onednn, quantized_matmul
 
     cpu = cpu_features.current()
     weights = load_weights(resolve_model_path(args.model))
@@ -63,6 +68,10 @@ def main(args) -> dict:
                                             "needs AVX-512 or AVX-NE-CONVERT)")
     if not cpu.onednn_packs(torch.float32):
         report["not_timed"]["prepacked_fp32"] = f"oneDNN packs no float32 weight on this CPU ({cpu.family})"
+    cpp = getattr(ops, "ops", None)
+    has_panels = cpp is not None and cpp.has_panel_linear()
+    if not has_panels:
+        report["not_timed"]["panels_fp32"] = "the C++ layer ops have no AVX2 panel GEMM here"
     print(f"CPU: {cpu.describe()}")
     for kind, why in report["not_timed"].items():
         print(f"not timed: {kind}: {why}")
@@ -72,6 +81,7 @@ def main(args) -> dict:
         packed = prepack_for_onednn(dense)
         packed32 = prepack_for_onednn(dense, torch.float32)
         dense32 = dense.float()
+        panels = pack_panels(dense) if has_panels else None
         blocks = BlockQuantized.cat([q[n] for n in parts])
         kernels = {"gguf_blocks": quantized_matmul(blocks, torch.bfloat16, ops)}  # torch's int4, or our Q8_0
         if blocks.bits == 4 and hasattr(ops, "q4_linear"):
@@ -85,6 +95,8 @@ def main(args) -> dict:
             t["plain_fp32"] = median_ms(partial(_plain_widened, x, dense32), args.repeats)
             if packed32 is not None:
                 t["prepacked_fp32"] = median_ms(partial(_widened, x, packed32), args.repeats)
+            if panels is not None:
+                t["panels_fp32"] = median_ms(partial(_panels, cpp, x, panels, dense.shape[0]), args.repeats)
             for kind, kernel in kernels.items():
                 if kernel is not None:
                     t[kind] = median_ms(partial(kernel, x), args.repeats)

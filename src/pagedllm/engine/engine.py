@@ -129,6 +129,9 @@ class Engine:
         # CPUs without native bf16/fp16 dot products (3-4x faster), each family's crossovers, and the
         # step budget its GEMMs run best at
         plan = plan_kernels(cpu_features.current(), _DTYPES[resolved_dtype]) if device == "cpu" else None
+        if plan is not None and plan.dense_kernel == "panels" and not (
+                isinstance(layer_ops, CpuLayerOps) and layer_ops.ops.has_panel_linear()):
+            plan = dataclasses.replace(plan, dense_kernel="onednn")  # the panel GEMM lives in the C++ layer ops
         scheduler = options.scheduler_config(max_model_len, plan.step_tokens if plan else DEFAULT_STEP_TOKENS)
         config = EngineConfig(model=mcfg, cache=cache, scheduler=scheduler,
                               dtype=resolved_dtype, device=device, seed=options.seed,

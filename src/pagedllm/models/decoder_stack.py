@@ -8,7 +8,8 @@ to the Python loop's (tested); Python then makes one call per step.
 
 It applies where every part of a layer already runs in our C++ or in torch ops callable from C++:
 the C++ layer ops (``CpuLayerOps``), the C++ attention backend (``CpuBackend``, RoPE fused), and
-projections whose kernels are the dense ones of ``Linear`` or a 4-bit / Q8_0 small-batch kernel.
+projections whose kernels are the dense ones of ``Linear`` (oneDNN's, the AVX2 panel GEMM, or
+``at::linear``) or a 4-bit / Q8_0 small-batch kernel.
 ``build_decoder_stack`` returns None anywhere else (another backend, a GPU, torch layer ops, a
 kernel it does not know, a plain float32 copy of a widened weight where oneDNN packs nothing), and
 the model keeps its Python loop.
@@ -26,7 +27,7 @@ EXTENSION = CppExtension("pagedllm_decoder_stack", Path(__file__).parent / "csrc
                          "the C++ decoder stack", "running the layer loop in Python")
 
 # the C++ side's codes (Projection::Dense, Projection::Small)
-DENSE_PLAIN, DENSE_PACKED, DENSE_PACKED_WIDENED = 0, 1, 2
+DENSE_PLAIN, DENSE_PACKED, DENSE_PACKED_WIDENED, DENSE_PANELS_WIDENED = 0, 1, 2, 3
 SMALL_NONE, SMALL_INT4, SMALL_Q8_0, SMALL_Q4 = 0, 1, 2, 3
 
 
@@ -42,7 +43,9 @@ def describe_projection(module, linear: Linear):
         small, a, b = SMALL_Q4, kernel.codes, kernel.scale_min
     elif kernel is not None:
         return None
-    if linear.packed is not None:
+    if linear.panels is not None:
+        dense, weight, bias = DENSE_PANELS_WIDENED, linear.panels, linear.packed_bias
+    elif linear.packed is not None:
         dense = DENSE_PACKED if linear.widen is None else DENSE_PACKED_WIDENED
         weight, bias = linear.packed, linear.packed_bias
     elif linear.weight is not None:
@@ -50,7 +53,8 @@ def describe_projection(module, linear: Linear):
         bias = None if linear.bias is None else linear.bias.detach()
     else:
         return None
-    return module.Projection(dense, weight, bias, small, linear.max_rows, a, b, linear.small_batch_bias)
+    return module.Projection(dense, weight, bias, small, linear.max_rows, a, b, linear.small_batch_bias,
+                             linear.out_features)
 
 
 def build_decoder_stack(model, backend):

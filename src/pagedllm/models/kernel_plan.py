@@ -10,6 +10,9 @@ trying and catching:
   emulated bf16 GEMM there);
 - ``pack``: whether the dense weights are kept in oneDNN's blocked layout (only where oneDNN packs
   that dtype on this CPU; float32 models keep MKL's sgemm on the plain weight, as HF does);
+- ``dense_kernel``: ``onednn`` (the above), or ``panels``: on the AVX2 family a widened model's
+  float32 weights are kept as panels for our own GEMM (``csrc/panel_gemm.h``), 1.2-1.5x oneDNN's
+  float32 rate there from 32 rows (session 15 figures below);
 - ``int4_rows`` / ``q8_0_rows``: up to how many rows the 4-bit and Q8_0 kernels beat the dense
   GEMM, per family (measured with ``pagedllm bench matmul``; docs/benchmarks.md);
 - ``head``: what a 1-row LM head runs where the Q8_0 kernel does not: the bf16 weight packed
@@ -46,6 +49,10 @@ kernel the crossover was 8 rows. The Q8_0 head runs up to 16 rows (2.6 vs 9.8 ms
 12.5 at 8). oneDNN packs no bf16 there. A float32 model there never runs the 4-bit kernel: with
 float32 activations torch's int4 matmul is 7x slower than the dense GEMM. Ours takes float32
 activations as they are, but that path is untimed in the engine.
+The AVX2 panel GEMM (same EPYC, session 15, ``pagedllm bench matmul --rows 32,64,1024``, hot
+weights, ms per layer): see docs/benchmarks.md, "AVX2, session 15". It is not used for float32
+models (they keep MKL's sgemm on the plain weight, as HF does) nor on AVX-512, where oneDNN's
+float32 GEMM has 512-bit kernels (unmeasured against panels).
 The float32 crossovers on AVX-512 (8 rows) are those of the first engine, not re-measured.
 """
 
@@ -70,6 +77,7 @@ class KernelPlan:
     native_head_rows: int        # a bf16-packed head for steps up to this many rows (where no Q8_0 head)
     int4_kernel: str = "torch"   # the 4-bit kernel: "torch" (its int4 matmul) or "cpp" (our q4_linear)
     step_tokens: int = DEFAULT_STEP_TOKENS  # the default token budget of a step (max_num_batched_tokens)
+    dense_kernel: str = "onednn"  # "onednn" (packed per `pack`, or plain) or "panels" (the AVX2 panel GEMM)
 
     def __post_init__(self) -> None:
         if min(self.int4_rows, self.q8_0_rows, self.native_head_rows) < 0:
@@ -78,6 +86,10 @@ class KernelPlan:
             raise ValueError(f"step_tokens must be >= 1, got {self.step_tokens}")
         if self.int4_kernel not in ("torch", "cpp"):
             raise ValueError(f"int4_kernel must be 'torch' or 'cpp', got {self.int4_kernel!r}")
+        if self.dense_kernel not in ("onednn", "panels"):
+            raise ValueError(f"dense_kernel must be 'onednn' or 'panels', got {self.dense_kernel!r}")
+        if self.dense_kernel == "panels" and not self.widened:
+            raise ValueError("the panel GEMM runs widened bf16/fp16 models only")
 
     @property
     def widened(self) -> bool:
@@ -88,7 +100,10 @@ class KernelPlan:
         """``float32 GEMMs (widened), oneDNN-packed; GGUF blocks: int4 <= 8 rows, Q8_0 <= 16 rows``."""
         name = {torch.float32: "float32", torch.bfloat16: "bf16", torch.float16: "fp16"}
         dense = f"{name[self.compute]} GEMMs" + (" (widened)" if self.widened else "")
-        dense += ", oneDNN-packed" if self.pack else ", plain weights"
+        if self.dense_kernel == "panels":
+            dense += ", AVX2 panels"
+        else:
+            dense += ", oneDNN-packed" if self.pack else ", plain weights"
         int4 = "int4" if self.int4_kernel == "torch" else "int4 (C++)"
         small = [f"{kind} <= {rows} rows" for kind, rows in
                  ((int4, self.int4_rows), ("Q8_0", self.q8_0_rows), ("bf16 head", self.native_head_rows)) if rows]
@@ -123,4 +138,7 @@ def plan_kernels(cpu: CpuFeatures, dtype: torch.dtype) -> KernelPlan:
     # AMX tiles run oneDNN's bf16 GEMM at half speed below ~2,048 rows for some of the projections
     # (the module docstring): steps of 2,048 tokens prefill 15-40% faster there
     step_tokens = 2048 if not widened and cpu.family == "amx" and dtype == torch.bfloat16 else DEFAULT_STEP_TOKENS
-    return KernelPlan(cpu.family, dtype, compute, pack, int4_rows, q8_0_rows, native_head, int4_kernel, step_tokens)
+    # our AVX2 float32 GEMM beats oneDNN's float32 one there (the module docstring)
+    dense_kernel = "panels" if widened and cpu.family == "avx2" else "onednn"
+    return KernelPlan(cpu.family, dtype, compute, pack, int4_rows, q8_0_rows, native_head, int4_kernel, step_tokens,
+                      dense_kernel)

@@ -146,7 +146,8 @@ class LlamaForCausalLM(nn.Module):
 
     def prepack_weights(self, plan: KernelPlan) -> int:
         """Dense layouts per ``plan`` (``kernel_plan``): oneDNN-packed where it packs, widened to
-        float32 where the CPU lacks native bf16/fp16 GEMMs (``Linear.prepack``); float32 models keep
+        float32 where the CPU lacks native bf16/fp16 GEMMs (``Linear.prepack``; as panels for the
+        C++ panel GEMM where the plan says so, which needs the C++ layer ops); float32 models keep
         their plain weights. A widened 1-row LM head without another small-batch kernel keeps a
         natively packed bf16 copy where the plan says so (``NativePackedMatmul``). Returns how many
         were changed. A tied head drops only its own reference: the embedding keeps the dense table."""
@@ -159,7 +160,12 @@ class LlamaForCausalLM(nn.Module):
             if native is not None:
                 head.use_quantized(NativePackedMatmul(native), plan.native_head_rows)
         compute = plan.compute if plan.widened else None
-        return sum(m.prepack(compute) for m in self.modules() if isinstance(m, Linear))
+        panel_ops = None
+        if plan.dense_kernel == "panels":
+            panel_ops = getattr(self.layer_ops, "ops", None)
+            if panel_ops is None or not panel_ops.has_panel_linear():
+                raise RuntimeError("the kernel plan picks the AVX2 panel GEMM but the C++ layer ops lack it")
+        return sum(m.prepack(compute, panel_ops) for m in self.modules() if isinstance(m, Linear))
 
     def use_gguf_quantized(self, quantized: dict[str, BlockQuantized], plan: KernelPlan | None = None,
                            max_rows: int | None = None, int4_kernel: str | None = None) -> int:

@@ -21,7 +21,9 @@ the same results as ``F.linear``, without oneDNN reordering the weight on every 
 without native bf16 dot products (``cpu_features.matmul_dtype``) the packed weight is float32
 instead: activations are widened (exact), multiplied in float32 and the result rounded back once,
 3-4x faster there than oneDNN's emulated bf16 GEMM; where oneDNN packs no float32 either, a plain
-float32 copy (MKL's sgemm). Which of these a CPU family runs, and up to how many rows each
+float32 copy (MKL's sgemm). On the AVX2 family the float32 weight is kept as panels of 16 columns
+for our own GEMM instead (``pack_panels``, ``csrc/panel_gemm.h``): 1.2-1.5x oneDNN's float32 rate
+there from 32 rows. Which of these a CPU family runs, and up to how many rows each
 small-batch kernel does, is ``kernel_plan``'s choice; nothing here is tried and then caught.
 """
 
@@ -133,6 +135,18 @@ def prepack_for_onednn(weight: torch.Tensor, compute_dtype: torch.dtype | None =
     return _REORDER(weight.detach(), 64)  # 64: the batch it is tuned for
 
 
+PANEL = 16  # output columns per panel (csrc/panel_gemm.h)
+
+
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` [N, K] as float32 panels [ceil(N / 16), K, 16] for the C++ ``panel_linear``: panel p
+    holds output columns 16p..16p+15 K-major, zero-padded past N."""
+    n, k = weight.shape
+    padded = torch.zeros(-(-n // PANEL) * PANEL, k, dtype=torch.float32)
+    padded[:n] = weight.detach().float()
+    return padded.view(-1, PANEL, k).transpose(1, 2).contiguous()
+
+
 _REORDER = torch.ops.mkldnn._reorder_linear_weight
 _LINEAR_POINTWISE = torch.ops.mkldnn._linear_pointwise.default  # resolved once: called ~120 times a step
 
@@ -152,21 +166,30 @@ class Linear(nn.Linear):
     packed_bias = None       # the bias in the packed weight's dtype
     widen = None             # float32 when the packed weight computes in float32 for a bf16/fp16 model
     wide_weight = None       # a plain float32 copy, where oneDNN packs no float32 weight (with packed_bias)
+    panels = None            # float32 panels for the C++ panel GEMM (with packed_bias), see prepack
+    panel_ops = None         # the C++ layer ops module that runs them
 
     def use_quantized(self, kernel, max_rows: int = DEFAULT_MAX_ROWS) -> None:
         self.small_batch, self.max_rows = kernel, max_rows
         self.small_batch_bias = None if self.bias is None else self.bias.detach()
 
-    def prepack(self, compute_dtype: torch.dtype | None = None) -> bool:
+    def prepack(self, compute_dtype: torch.dtype | None = None, panel_ops=None) -> bool:
         """Keep the weight only in oneDNN's layout; True if done. By default only where that gives
         results identical to ``F.linear`` (bfloat16); ``compute_dtype=float32`` computes a bf16/fp16
         layer in float32, for CPUs without native bf16/fp16 GEMMs (``cpu_features.matmul_dtype``):
         the output is then rounded to the model dtype once, as a native kernel's would be. Where
         oneDNN packs no float32 weight (a CPU without AVX2), the float32 copy stays a plain tensor
-        (MKL's sgemm), still faster than a GEMM that converts bf16 in its inner loop."""
+        (MKL's sgemm), still faster than a GEMM that converts bf16 in its inner loop. With
+        ``panel_ops`` (the C++ layer ops, where the kernel plan picks the AVX2 panel GEMM) a widened
+        weight is kept as float32 panels for its ``panel_linear`` instead."""
         if self.weight is None:
             return False
         widen = compute_dtype == torch.float32 and self.weight.dtype in (torch.bfloat16, torch.float16)
+        if widen and panel_ops is not None:
+            self.panels, self.panel_ops = pack_panels(self.weight), panel_ops
+            self.packed_bias = None if self.bias is None else self.bias.detach().float()
+            self.weight, self.widen = None, torch.float32
+            return True
         packed = prepack_for_onednn(self.weight, torch.float32 if widen else None)
         bias = None if self.bias is None else self.bias.detach()
         if packed is None:
@@ -190,6 +213,8 @@ class Linear(nn.Linear):
             if self.widen is not None:
                 return _LINEAR_POINTWISE(x.to(self.widen), self.packed, self.packed_bias, "none", [], "").to(x.dtype)
             return _LINEAR_POINTWISE(x, self.packed, self.packed_bias, "none", [], "")
+        if self.panels is not None:
+            return self.panel_ops.panel_linear(x, self.panels, self.packed_bias, self.out_features).to(x.dtype)
         if self.wide_weight is not None:  # after the packed path: no extra check on the common one
             return F.linear(x.to(self.widen), self.wide_weight, self.packed_bias).to(x.dtype)
         return F.linear(x, self.weight, self.bias)

@@ -308,6 +308,73 @@ void decode_block_avx2(const T* kb, const T* vb, int64_t row_stride, int64_t n, 
 }
 #endif
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// A few-row tile's state for every kv head of one sequence (decode_tile_avx2): rows of 1-3 per head.
+struct WholeTileScratch {
+  std::vector<float> qf, acc, m, l, scores;
+  int64_t KP;
+  WholeTileScratch(int64_t KH, int64_t D, int64_t kp)
+      : qf(KH * 3 * D), acc(KH * 3 * D), m(KH * 3), l(KH * 3), scores(3 * kp), KP(kp) {}
+};
+
+// One few-row tile (1-3 rows per kv head: a decode token) over all its kv heads, block by block:
+// each block's K and V rows are read whole and in order (every kv head's slice of a row in turn),
+// and the next block is fetched meanwhile, where one item per kv head read a third of every row,
+// scattered, and left the DRAM bandwidth unused (docs/benchmarks.md, "AVX2, session 15"). Per kv
+// head the sums are decode_block_avx2's, in the same order.
+template <typename T, int kD>
+void decode_tile_avx2(const T* q, const T* kc, const T* vc, T* out, const int64_t* table, int64_t q_begin,
+                      int64_t rows, int64_t first_pos, int64_t H, int64_t KH, int64_t G, int64_t B, float scale,
+                      WholeTileScratch& s) {
+  const int64_t row_stride = KH * kD, block_stride = B * row_stride;
+  for (int64_t kh = 0; kh < KH; ++kh) {
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t i = r / G, g = r % G;
+      float* qr = &s.qf[(kh * 3 + r) * kD];
+      to_float(q + ((q_begin + i) * H + kh * G + g) * kD, qr, kD);
+      for (int d = 0; d < kD; ++d) qr[d] *= scale;
+      s.m[kh * 3 + r] = -std::numeric_limits<float>::infinity();
+      s.l[kh * 3 + r] = 0.f;
+      std::fill(&s.acc[(kh * 3 + r) * kD], &s.acc[(kh * 3 + r) * kD] + kD, 0.f);
+    }
+  }
+  const int64_t nq = rows / G;
+  const int64_t last_key = first_pos + nq;  // keys 0..last_key-1 are visible to some row
+  const int64_t nblocks = (last_key + B - 1) / B;
+  constexpr void (*kDecodeBlock[])(const T*, const T*, int64_t, int64_t, const int64_t*, const float*, float*,
+                                   int64_t, float*, float*, float*) = {
+      decode_block_avx2<T, kD, 1>, decode_block_avx2<T, kD, 2>, decode_block_avx2<T, kD, 3>};
+  const int64_t block_bytes = block_stride * static_cast<int64_t>(sizeof(T));
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const int64_t n = std::min<int64_t>(B, last_key - b * B);
+    if (b + 1 < nblocks) {  // the next block sits elsewhere in the pool: fetch it whole meanwhile
+      const char* kn = reinterpret_cast<const char*>(kc + table[b + 1] * block_stride);
+      const char* vn = reinterpret_cast<const char*>(vc + table[b + 1] * block_stride);
+      for (int64_t o = 0; o < block_bytes; o += 64) {
+        __builtin_prefetch(kn + o);
+        __builtin_prefetch(vn + o);
+      }
+    }
+    int64_t visible[3];
+    for (int64_t r = 0; r < rows; ++r) visible[r] = std::min<int64_t>(n, first_pos + r / G - b * B + 1);
+    const T* kb = kc + table[b] * block_stride;
+    const T* vb = vc + table[b] * block_stride;
+    for (int64_t kh = 0; kh < KH; ++kh) {
+      kDecodeBlock[rows - 1](kb + kh * kD, vb + kh * kD, row_stride, n, visible, &s.qf[kh * 3 * kD],
+                             s.scores.data(), s.KP, &s.acc[kh * 3 * kD], &s.m[kh * 3], &s.l[kh * 3]);
+    }
+  }
+  for (int64_t kh = 0; kh < KH; ++kh) {
+    for (int64_t r = 0; r < rows; ++r) {
+      float* ar = &s.acc[(kh * 3 + r) * kD];
+      const float inv = 1.f / s.l[kh * 3 + r];
+      for (int d = 0; d < kD; ++d) ar[d] *= inv;
+      from_float(ar, out + ((q_begin + r / G) * H + kh * G + r % G) * kD, kD);
+    }
+  }
+}
+#endif
+
 // One (query tile, kv head) item by small GEMMs over a converted sequence, kKeyChunk keys at a
 // time: rows r = i * G + g (query token i, head g), the first token at absolute position first_pos.
 // kD % 16 == 0.
@@ -452,7 +519,8 @@ void attend_tile_gemm(const T* q, T* out, int64_t seq, int64_t q_begin, int64_t 
 // time share one head's converted K/V in cache; few-row (decode) tiles keep a tile's kv heads
 // together, as they read the same block rows (a head-major order cost decode ~10%).
 inline std::vector<int64_t> schedule(const std::vector<Tile>& tiles, const std::vector<char>& tiled,
-                                     const int64_t* qsl, const int64_t* seq_lens, int64_t KH) {
+                                     const std::vector<char>& whole, const int64_t* qsl, const int64_t* seq_lens,
+                                     int64_t KH) {
   const int64_t n_tiles = static_cast<int64_t>(tiles.size());
   std::vector<int64_t> cost(n_tiles), by_cost(n_tiles);
   for (int64_t i = 0; i < n_tiles; ++i) {
@@ -470,7 +538,7 @@ inline std::vector<int64_t> schedule(const std::vector<Tile>& tiles, const std::
       if (tiled[i]) order.push_back(i * KH + kh);
   for (int64_t i : by_cost)
     if (!tiled[i])
-      for (int64_t kh = 0; kh < KH; ++kh) order.push_back(i * KH + kh);
+      for (int64_t kh = 0; kh < (whole[i] ? 1 : KH); ++kh) order.push_back(i * KH + kh);
   return order;
 }
 
@@ -491,18 +559,26 @@ void attention_kernel(const T* q, const T* kc, const T* vc, T* out, const int64_
       tiles.push_back({s, r, std::min<int64_t>(r + kQueryTile, qsl[s + 1])});
     }
   }
-  const int64_t num_items = static_cast<int64_t>(tiles.size()) * KH;
   const int64_t row_stride = KH * D;      // between tokens in a block
   const int64_t block_stride = B * KH * D;
   // tiles of at least kScoreRows rows take the tiled path, over blocks converted once per call
   auto tiled_tile = [&](const Tile& t) { return kD > 0 && kD % 16 == 0 && (t.q_end - t.q_begin) * G >= kScoreRows; };
-  std::vector<char> wanted(num_seqs, 0), tiled(tiles.size(), 0);
+  // few-row tiles that one item attends over all kv heads, block by block (decode_tile_avx2)
+  constexpr bool kWholeTiles =
+#if defined(__AVX2__) && !defined(__AVX512F__)
+      kD > 0 && kD % 32 == 0 && kLoads8<T>;
+#else
+      false;
+#endif
+  std::vector<char> wanted(num_seqs, 0), tiled(tiles.size(), 0), whole(tiles.size(), 0);
   for (size_t i = 0; i < tiles.size(); ++i) {
     tiled[i] = tiled_tile(tiles[i]);
+    whole[i] = kWholeTiles && !tiled[i] && (tiles[i].q_end - tiles[i].q_begin) * G <= 3;
     wanted[tiles[i].seq] = wanted[tiles[i].seq] || tiled[i];
   }
   const ConvertedSeqs converted = convert_sequences(kc, vc, wanted, seq_lens, tables, max_blocks, KH, D, B);
-  const std::vector<int64_t> order = schedule(tiles, tiled, qsl, seq_lens, KH);
+  const std::vector<int64_t> order = schedule(tiles, tiled, whole, qsl, seq_lens, KH);
+  const int64_t num_items = static_cast<int64_t>(order.size());
 
   // threads take items from a shared counter (not a static split of the range, which gave one
   // thread a causal prefill's late, costly tiles and left the other idle for up to half the call)
@@ -515,6 +591,9 @@ void attention_kernel(const T* q, const T* kc, const T* vc, T* out, const int64_
     std::vector<float> scores(max_rows * KP), kf(KP * D), vf(B * D);
     std::vector<int64_t> row_pos(max_rows);
     std::unique_ptr<TiledScratch> tiled;  // made on a thread's first many-row tile
+#if defined(__AVX2__) && !defined(__AVX512F__)
+    WholeTileScratch whole_scratch(kWholeTiles ? KH : 0, kWholeTiles ? D : 0, round_up(B, 16));
+#endif
     for (int64_t k = next.fetch_add(1, std::memory_order_relaxed); k < num_items;
          k = next.fetch_add(1, std::memory_order_relaxed)) {
       const int64_t item = order[k];
@@ -524,6 +603,15 @@ void attention_kernel(const T* q, const T* kc, const T* vc, T* out, const int64_
       const int64_t ctx = seq_lens[tile.seq];
       const int64_t first_pos = ctx - (qsl[tile.seq + 1] - qsl[tile.seq]) + (tile.q_begin - qsl[tile.seq]);
       const int64_t rows = nq * G;
+#if defined(__AVX2__) && !defined(__AVX512F__)
+      if constexpr (kWholeTiles) {
+        if (whole[item / KH]) {
+          decode_tile_avx2<T, kD>(q, kc, vc, out, tables + tile.seq * max_blocks, tile.q_begin, rows, first_pos, H, KH,
+                                  G, B, scale, whole_scratch);
+          continue;
+        }
+      }
+#endif
       if constexpr (kD > 0 && kD % 16 == 0) {
         if (tiled_tile(tile)) {
           if (!tiled) tiled = std::make_unique<TiledScratch>(max_rows, kD);
@@ -560,20 +648,6 @@ void attention_kernel(const T* q, const T* kc, const T* vc, T* out, const int64_
             }
           }
         }
-#if defined(__AVX2__) && !defined(__AVX512F__)
-        if constexpr (kD > 0 && kD % 32 == 0 && kLoads8<T>) {
-          if (rows <= 3) {  // every few-row tile here (the tiled path takes 4 rows and up)
-            int64_t visible[3];
-            for (int64_t r = 0; r < rows; ++r) visible[r] = std::min<int64_t>(n, row_pos[r] - b * B + 1);
-            constexpr void (*kDecodeBlock[])(const T*, const T*, int64_t, int64_t, const int64_t*, const float*,
-                                             float*, int64_t, float*, float*, float*) = {
-                decode_block_avx2<T, kD, 1>, decode_block_avx2<T, kD, 2>, decode_block_avx2<T, kD, 3>};
-            kDecodeBlock[rows - 1](kb, vb, row_stride, n, visible, qf.data(), scores.data(), KP, acc.data(),
-                                   m.data(), l.data());
-            continue;
-          }
-        }
-#endif
         for (int64_t j = 0; j < n; ++j) {
           if constexpr (!bf16_dot) to_float(kb + j * row_stride, &kf[j * D], D);
           to_float(vb + j * row_stride, &vf[j * D], D);

@@ -8,7 +8,7 @@
 // Each projection keeps both of its Python counterparts' kernels (models/quantized_linear.py):
 // the small-batch one (torch's 4-bit weight-only matmul, or our Q8_0 product) for steps of at
 // most max_rows rows, else the dense one (oneDNN's prepacked linear, widened to float32 or not,
-// or at::linear on a plain weight). The attention comes from the attention extension as a
+// the AVX2 float32 panel GEMM of csrc/panel_gemm.h, or at::linear on a plain weight). The attention comes from the attention extension as a
 // function pointer (csrc/kernel_abi.h). Each part of a layer is wrapped in RECORD_FUNCTION, so
 // torch's profiler sees it under the names `pagedllm bench step` counts.
 #include <torch/extension.h>
@@ -21,6 +21,7 @@
 
 #include "kernel_abi.h"
 #include "layer_ops.h"
+#include "panel_gemm.h"
 
 namespace {
 
@@ -40,23 +41,25 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed, const st
 
 // One linear layer, as models/quantized_linear.Linear runs it.
 struct Projection {
-  enum Dense : int64_t { kPlain = 0, kPacked = 1, kPackedWidened = 2 };
+  enum Dense : int64_t { kPlain = 0, kPacked = 1, kPackedWidened = 2, kPanelsWidened = 3 };
   enum Small : int64_t { kNone = 0, kInt4 = 1, kQ8_0 = 2, kQ4 = 3 };
 
   int64_t dense;
-  at::Tensor weight;  // [N, K] (kPlain) or oneDNN's packed layout
+  at::Tensor weight;  // [N, K] (kPlain), oneDNN's packed layout, or float32 panels [ceil(N / 16), K, 16]
   std::optional<at::Tensor> bias;
   int64_t small;
   int64_t max_rows;
   at::Tensor small_a, small_b;  // int4: packed codes, scales and zeros; Q8_0: codes, scales; Q4: codes, scale_min
   std::optional<at::Tensor> small_bias;
+  int64_t out_features = 0;  // N (the panels pad it to a multiple of 16)
 
   Projection(int64_t dense, at::Tensor weight, std::optional<at::Tensor> bias, int64_t small, int64_t max_rows,
              std::optional<at::Tensor> small_a, std::optional<at::Tensor> small_b,
-             std::optional<at::Tensor> small_bias)
+             std::optional<at::Tensor> small_bias, int64_t out_features)
       : dense(dense), weight(std::move(weight)), bias(std::move(bias)), small(small), max_rows(max_rows),
-        small_bias(std::move(small_bias)) {
-    TORCH_CHECK(dense >= kPlain && dense <= kPackedWidened, "unknown dense kernel ", dense);
+        small_bias(std::move(small_bias)), out_features(out_features) {
+    TORCH_CHECK(dense >= kPlain && dense <= kPanelsWidened, "unknown dense kernel ", dense);
+    TORCH_CHECK(dense != kPanelsWidened || panel_gemm::available(), "this build has no AVX2 panel GEMM");
     TORCH_CHECK(small >= kNone && small <= kQ4, "unknown small-batch kernel ", small);
     if (small != kNone) {
       TORCH_CHECK(small_a.has_value() && small_b.has_value(), "a small-batch kernel needs its two tensors");
@@ -68,10 +71,16 @@ struct Projection {
   // True when a step of `rows` rows runs the dense weight widened to float32: then the stack feeds
   // it float32 rows and takes its float32 output unrounded (`widened`), see DecoderStack::forward.
   bool widened_for(int64_t rows) const {
-    return dense == kPackedWidened && !(small != kNone && rows <= max_rows);
+    return (dense == kPackedWidened || dense == kPanelsWidened) && !(small != kNone && rows <= max_rows);
   }
 
-  at::Tensor widened(const at::Tensor& x_float) const { return onednn_linear(x_float, weight, bias); }
+  at::Tensor widened(const at::Tensor& x_float) const {
+    if (dense == kPanelsWidened) {
+      RECORD_FUNCTION("pagedllm::panel_linear", std::vector<c10::IValue>());
+      return panel_gemm::panel_linear(x_float, weight, bias, out_features);
+    }
+    return onednn_linear(x_float, weight, bias);
+  }
 
   at::Tensor operator()(const at::Tensor& x) const {
     if (small != kNone && x.size(0) <= max_rows) {
@@ -91,7 +100,8 @@ struct Projection {
       case kPacked:
         return onednn_linear(x, weight, bias);
       case kPackedWidened:
-        return onednn_linear(x.to(at::kFloat), weight, bias).to(x.scalar_type());
+      case kPanelsWidened:
+        return widened(x.to(at::kFloat)).to(x.scalar_type());
       default:
         return at::linear(x, weight, bias);
     }
@@ -186,9 +196,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
   py::class_<Projection>(m, "Projection", "one linear layer: a dense kernel and an optional small-batch one")
       .def(py::init<int64_t, at::Tensor, std::optional<at::Tensor>, int64_t, int64_t, std::optional<at::Tensor>,
-                    std::optional<at::Tensor>, std::optional<at::Tensor>>(),
+                    std::optional<at::Tensor>, std::optional<at::Tensor>, int64_t>(),
            py::arg("dense"), py::arg("weight"), py::arg("bias"), py::arg("small"), py::arg("max_rows"),
-           py::arg("small_a"), py::arg("small_b"), py::arg("small_bias"));
+           py::arg("small_a"), py::arg("small_b"), py::arg("small_bias"), py::arg("out_features"));
   py::class_<Layer>(m, "Layer", "one decoder layer's norms and projections")
       .def(py::init<at::Tensor, double, at::Tensor, double, Projection, Projection, Projection, Projection>(),
            py::arg("input_norm"), py::arg("input_eps"), py::arg("post_attention_norm"),

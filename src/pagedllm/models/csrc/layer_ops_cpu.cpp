@@ -1,6 +1,8 @@
 // Python bindings of the per-token layer ops (csrc/layer_ops.h): RMSNorm, residual add + RMSNorm,
-// SiLU-and-multiply, and the GGUF Q8_0 and Q4_0/Q4_1 matrix products for small batches.
+// SiLU-and-multiply, the GGUF Q8_0 and Q4_0/Q4_1 matrix products for small batches, and the AVX2
+// float32 panel GEMM (csrc/panel_gemm.h).
 #include "layer_ops.h"
+#include "panel_gemm.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm of each row (CPU)");
@@ -8,4 +10,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "silu(gate) * up of fused gate_up rows (CPU)");
   m.def("q8_0_linear", &q8_0_linear, "x @ W^T with W in GGUF Q8_0 blocks, float32 out (CPU)");
   m.def("q4_linear", &q4_linear, "x @ W^T with W in GGUF Q4_0/Q4_1 blocks, float32 out (CPU)");
+  m.def("panel_linear", &panel_gemm::panel_linear, "x @ W^T + bias with W in float32 panels of 16 columns (AVX2)",
+        pybind11::arg("x"), pybind11::arg("panels"), pybind11::arg("bias"), pybind11::arg("n"));
+  m.def("has_panel_linear", &panel_gemm::available, "whether this build has the AVX2 panel GEMM");
 }
