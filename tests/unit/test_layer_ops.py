@@ -157,6 +157,11 @@ HERE = cpu_features.detect()
                     reason=f"oneDNN packs no bf16 weight on this CPU ({HERE.describe()}): needs AVX-512/AVX-NE-CONVERT")
 @pytest.mark.parametrize("bias", [False, True])
 def test_onednn_prepacked_linear_is_identical_to_f_linear_in_bf16(bias):
+    """Bit-equal where the CPU has native bf16 GEMMs (both calls run the same oneDNN kernel). Where
+    oneDNN emulates them (AVX-512 without BF16) F.linear's bias joins the float32 sum in another
+    order, so a rare output (6 in 1,600,000 over 200 seeds, as avx512 on the AMX Xeon) rounds to
+    the neighbouring bf16 value: there, at most one bf16 step apart, in under 1% of the outputs."""
+    torch.manual_seed(1)
     lin = Linear(192, 320, bias=bias).to(torch.bfloat16)
     dense_weight = lin.weight.detach().clone()
     expected_bias = None if lin.bias is None else lin.bias.detach().clone()
@@ -164,7 +169,12 @@ def test_onednn_prepacked_linear_is_identical_to_f_linear_in_bf16(bias):
     for rows in (1, 7, 64, 300):
         x = torch.randn(rows, 192, generator=torch.Generator().manual_seed(rows)).bfloat16()
         with torch.no_grad():
-            assert torch.equal(lin(x), torch.nn.functional.linear(x, dense_weight, expected_bias))
+            y, expected = lin(x), torch.nn.functional.linear(x, dense_weight, expected_bias)
+        if HERE.native_bf16:
+            assert torch.equal(y, expected)
+        else:
+            torch.testing.assert_close(y, expected, rtol=2**-7, atol=0)
+            assert (y != expected).float().mean() < 0.01
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
