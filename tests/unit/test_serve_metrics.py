@@ -9,9 +9,11 @@ import time
 import numpy as np
 import pytest
 
-from pagedllm.bench.machine import CpuClock, machine_info, process_cpu_seconds
+from pagedllm import cpu_features
+from pagedllm.bench.machine import KERNEL_FLAGS, CpuClock, machine_info, process_cpu_seconds
 from pagedllm.bench.serve_metrics import RequestRecord, distribution_ms, percentile, summarize
 from pagedllm.bench.text_workload import WORDS, text_workload
+from pagedllm.build_record import emulated_family
 
 
 def record(index: int, start: float, chunks: list[float], end: float, tokens: int | None = None) -> RequestRecord:
@@ -62,7 +64,10 @@ def test_text_workload_is_seeded_and_sized():
 def test_cpu_time_readers():
     info = machine_info()
     assert info["cores"] == os.cpu_count() and info["cpu"]
-    assert all(f.startswith(("avx512", "amx")) for f in info["flags"])
+    assert all(f.startswith(KERNEL_FLAGS) for f in info["flags"])
+    assert info["family"] == cpu_features.detect().describe()
+    if cpu_features.detect().avx2 and emulated_family() is None:
+        assert {"avx2", "fma"} <= set(info["flags"])
     before = process_cpu_seconds(os.getpid())
     with CpuClock() as clock:
         t = time.process_time()

@@ -1,9 +1,11 @@
 """What a benchmark report says about the machine and about CPU time spent.
 
-``machine_info()`` names the CPU (model name and the avx512*/amx* flags from /proc/cpuinfo, the
-core count); ``process_cpu_seconds(pid)`` reads another process's user + system CPU time from
-/proc/<pid>/stat, and ``CpuClock`` measures this process's own CPU time over a stretch of code, so
-a report can separate a load generator's share of the cores from the server's; it also records
+``machine_info()`` names the CPU (model name, the vector flags from /proc/cpuinfo that decide
+the kernels: avx2, fma, avx512*, amx*, avx_vnni, avx_ne_convert, and the family the engine plans
+for, which ``PAGEDLLM_CPU_FAMILY`` may have lowered; the core count);
+``process_cpu_seconds(pid)`` reads another process's user + system CPU time from /proc/<pid>/stat,
+and ``CpuClock`` measures this process's own CPU time over a stretch of code, so a report can
+separate a load generator's share of the cores from the server's; it also records
 the hypervisor's steal time over the stretch (``machine_steal_seconds``), so a slow run on a
 shared machine says why.
 """
@@ -17,6 +19,7 @@ import time
 from dataclasses import dataclass
 
 THREADING_ENV = ("OMP_", "GOMP_", "KMP_", "MKL_NUM_THREADS")
+KERNEL_FLAGS = ("avx2", "fma", "avx512", "amx", "avx_vnni", "avx_ne_convert")  # prefixes
 
 
 def _cpuinfo_field(text: str, name: str) -> str | None:
@@ -35,10 +38,13 @@ def machine_info() -> dict:
             text = f.read()
     except OSError:
         text = ""
+    from pagedllm.cpu_features import detect
+
     flags = (_cpuinfo_field(text, "flags") or "").split()
     return {"cpu": _cpuinfo_field(text, "model name") or platform.processor() or platform.machine(),
             "cores": os.cpu_count(),
-            "flags": sorted(f for f in set(flags) if f.startswith(("avx512", "amx"))),
+            "flags": sorted(f for f in set(flags) if f.startswith(KERNEL_FLAGS)),
+            "family": detect().describe(),  # as the engine plans for it (PAGEDLLM_CPU_FAMILY included)
             "python": platform.python_version(),
             "load_average_1m": round(os.getloadavg()[0], 2),  # others' work on a shared machine
             "threading_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith(THREADING_ENV)}}

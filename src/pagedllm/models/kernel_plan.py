@@ -49,8 +49,9 @@ kernel the crossover was 8 rows. The Q8_0 head runs up to 16 rows (2.6 vs 9.8 ms
 12.5 at 8). oneDNN packs no bf16 there. A float32 model there never runs the 4-bit kernel: with
 float32 activations torch's int4 matmul is 7x slower than the dense GEMM. Ours takes float32
 activations as they are, but that path is untimed in the engine.
-The AVX2 panel GEMM (same EPYC, session 15, ``pagedllm bench matmul --rows 32,64,1024``, hot
-weights, ms per layer): see docs/benchmarks.md, "AVX2, session 15". It is not used for float32
+The AVX2 panel GEMM (same EPYC, session 15, ``pagedllm bench matmul --rows 16,32,64,1024``, hot
+weights, ms per layer): 0.81 vs oneDNN's prepacked float32 1.27 at 16 rows, 1.66 vs 2.08 at 32,
+2.7 vs 3.4 at 64, 42.7 vs 47-50 at 1,024 (docs/benchmarks.md, "AVX2, session 15"). It is not used for float32
 models (they keep MKL's sgemm on the plain weight, as HF does) nor on AVX-512, where oneDNN's
 float32 GEMM has 512-bit kernels (unmeasured against panels).
 The float32 crossovers on AVX-512 (8 rows) are those of the first engine, not re-measured.
