@@ -114,7 +114,11 @@ HOSTILE = [
     ("/v1/chat/completions", json.dumps({**CHAT, "stop": ["a"] * 5}), 400, "stop"),
     ("/v1/completions", json.dumps({**NORMAL, "model": "\ud800"}), 400, "model"),
     ("/v1/completions", json.dumps({**NORMAL, "top_k": 2**63}), 400, None),
-    ("/v1/completions", json.dumps({**NORMAL, "seed": 2**64}), None, None),  # any seed is fine (reduced)
+    ("/v1/completions", json.dumps({**NORMAL, "seed": 2**63}), 400, "seed"),  # a signed 64-bit seed, as OpenAI
+    ("/v1/completions", json.dumps({**NORMAL, "seed": -2**63}), None, None),
+    ("/v1/completions", json.dumps({**NORMAL, "seed": 2**63 - 1}), None, None),
+    ("/v1/completions", json.dumps({**NORMAL, "tools": []}), 400, "tools"),  # not implemented: named, not ignored
+    ("/v1/chat/completions", json.dumps({**CHAT, "stream_options": {"include_usage": True}}), 400, "stream_options"),
 ]
 
 
@@ -309,7 +313,8 @@ hostile_values = st.recursive(st.none() | st.booleans() | hostile_numbers | host
 FIELDS = ["prompt", "max_tokens", "temperature", "top_p", "top_k", "min_p", "n", "stop", "stop_token_ids", "seed",
           "logprobs", "echo", "logit_bias", "stream", "min_tokens", "model", "presence_penalty", "frequency_penalty",
           "repetition_penalty", "cache_salt", "ignore_eos", "skip_special_tokens", "response_format",
-          "structured_outputs", "messages", "max_completion_tokens", "top_logprobs", "user"]
+          "structured_outputs", "messages", "max_completion_tokens", "top_logprobs", "user", "metadata", "store",
+          "stream_options", "not_a_field"]
 
 
 GENERATED_EXAMPLES = int(os.environ.get("PAGEDLLM_HOSTILE_EXAMPLES", "60"))  # 400 for a longer run (design.md)

@@ -142,11 +142,18 @@ def build_app(ctx: ServerContext, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) 
         except ClientDisconnected:
             return Response(status_code=499)
 
+    def model_card() -> dict:
+        return {"id": ctx.model_name, "object": "model", "created": ctx.created, "owned_by": "pagedllm",
+                "max_model_len": ctx.engine.engine.config.scheduler.max_model_len}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": ctx.model_name, "object": "model", "created": ctx.created,
-                                            "owned_by": "pagedllm",
-                                            "max_model_len": ctx.engine.engine.config.scheduler.max_model_len}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")  # :path: a model id may hold slashes ("org/name")
+    async def retrieve_model(model_id: str):
+        ctx.check_model(model_id)  # 404 model_not_found for any other id
+        return model_card()
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest):

@@ -1,7 +1,8 @@
 """Errors the OpenAI way: every failure is ``{"error": {"message", "type", "param", "code"}}``.
 
 The one place where exceptions become HTTP statuses: ``InvalidRequest``/``ValueError`` and bad
-JSON or fields -> 400 naming the field (never FastAPI's bare 422), a missing or wrong API key ->
+JSON or fields -> 400 naming the field (never FastAPI's bare 422; a field no route model declares
+-> 400 ``unsupported_parameter`` naming it), a missing or wrong API key ->
 401, an unknown model or route -> 404, a wrong method -> 405, a body over the limit -> 413, a full
 queue -> 429 with ``Retry-After``, a dead engine or shutdown -> 503, anything unexpected -> 500
 with a generic message (the traceback goes to the log, never into the response).
@@ -54,7 +55,7 @@ class OpenAIError(Exception):
 
 
 _FIELDS = {f.name for f in dataclasses.fields(SamplingParams)} | {"prompt", "messages", "max_completion_tokens",
-                                                                  "top_logprobs", "response_format"}
+                                                                  "top_logprobs", "response_format", "stream_options"}
 
 
 def _param_of(message: str) -> str | None:
@@ -96,13 +97,31 @@ def _field_of(error: dict) -> str | None:
     return ".".join(p for p in loc if _FIELD_SEGMENT.match(p)) or None
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+UNSUPPORTED = "unsupported_parameter"
+
+
+def _validation_error(exc: RequestValidationError, route: str) -> OpenAIError:
     errors = exc.errors()
     if not errors:
-        return "invalid request", None
+        return OpenAIError(400, "invalid request")
     first = errors[0]
     if first.get("type") == "json_invalid":
-        return f"the body is not valid JSON: {first.get('msg')}", None
+        return OpenAIError(400, f"the body is not valid JSON: {first.get('msg')}")
+    unknown = [_field_of(e) for e in errors if e.get("type") == "extra_forbidden"]
+    if unknown:  # before any bad value: the request asks for something this server does not do
+        names = ", ".join(f"'{f}'" for f in dict.fromkeys(unknown))
+        return OpenAIError(400, f"unsupported parameter{'s' if len(set(unknown)) > 1 else ''} {names}: pagedllm "
+                                f"does not implement {'them' if len(set(unknown)) > 1 else 'it'} on {route} "
+                                "(docs/api.md lists the fields of each route)", unknown[0], UNSUPPORTED)
+    if first.get("type") == "value_error" and _field_of(first) is None:  # a model validator's ValueError
+        message = str(first.get("ctx", {}).get("error") or first.get("msg", "invalid request"))
+        return OpenAIError(400, message, _param_of(message))
+    message, field = _validation_message(errors)
+    return OpenAIError(400, message, field)
+
+
+def _validation_message(errors: list[dict]) -> tuple[str, str | None]:
+    first = errors[0]
     field = _field_of(first)
     # a value no member of a union takes fails each member: say what was wrong with the value
     # ("at least 1 item") rather than that it is not of the first member's type ("a valid string")
@@ -139,9 +158,8 @@ def install_error_handlers(app: FastAPI) -> None:
         return exc.response()
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError):
-        message, field = _validation_message(exc)
-        return OpenAIError(400, message, field).response()
+    async def _validation(request: Request, exc: RequestValidationError):
+        return _validation_error(exc, f"{request.method} {request.url.path}").response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException):

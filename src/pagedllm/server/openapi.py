@@ -4,8 +4,8 @@ client or a schema fuzzer (schemathesis) can trust it:
 
 - the errors, in the OpenAI shape (``ErrorResponse``), each route may answer: 400 (a bad body or
   field: never FastAPI's 422, which we do not send), 401 (``--api-key``), 404 (an unknown
-  ``model``), 408 / 413 (a body too slow or too large), 429 (admission full, with ``Retry-After``),
-  503 (the engine stopped or shutting down);
+  ``model``, in a body or in ``GET /v1/models/{id}``), 408 / 413 (a body too slow or too large),
+  429 (admission full, with ``Retry-After``), 503 (the engine stopped or shutting down);
 - the content types: Server-Sent Events for ``stream: true``, Prometheus text for ``/metrics``;
 - bearer authentication on the guarded routes when the server has API keys;
 - the bounds that depend on the served model: token ids below its vocabulary size, ``max_tokens``
@@ -14,8 +14,9 @@ client or a schema fuzzer (schemathesis) can trust it:
 What no JSON Schema can state is checked by the server and answered with a 400 naming the field:
 rules across fields (the prompt and ``max_tokens`` together within ``max_model_len``, ``min_tokens``
 at most ``max_tokens``, exactly one of ``prompt`` or ``messages`` on ``/tokenize``, prompts x ``n``
-within the admission capacity), ``logit_bias`` keys below the vocabulary size, and the validity of a
-structured-output constraint (a JSON schema, regex or grammar). docs/api.md lists them.
+within the admission capacity, ``stream_options`` only with ``stream: true``), ``logit_bias`` keys
+below the vocabulary size, and the validity of a structured-output constraint (a JSON schema, regex
+or grammar). docs/api.md lists them.
 """
 
 from __future__ import annotations
@@ -72,6 +73,8 @@ def _route_errors(path: str, method: str, guarded: bool) -> tuple[int, ...]:
         codes.append(401)
     if path in ("/v1/completions", "/v1/chat/completions"):
         codes += [429, 503]
+    if path.startswith("/v1/models/"):  # GET /v1/models/{id}: another model's id, or one not UTF-8
+        codes += [400, 404]
     if path in ("/health", "/dashboard/state", "/metrics"):
         codes.append(503)
     return tuple(sorted(codes))

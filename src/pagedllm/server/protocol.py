@@ -3,10 +3,15 @@
 Shapes follow the OpenAI API and vLLM's extensions (``top_k``, ``min_p``, ``repetition_penalty``,
 ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``cache_salt``, ``structured_outputs``, ...).
 ``response_format`` (``json_object``, ``json_schema``) and vLLM's ``structured_outputs`` become a
-``StructuredOutputsParams`` (``json_schema`` is enforced whether ``strict`` or not). Unknown fields are
-ignored, as vLLM does, so clients that send newer OpenAI fields keep working; known ones are typed
+``StructuredOutputsParams`` (``json_schema`` is enforced whether ``strict`` or not).
+
+A field no model here declares is a 400 naming it (``unsupported_parameter``, ``server/errors.py``):
+a request asking for something pagedllm does not do never gets a 200 that quietly does something
+else. A few OpenAI fields that change nothing a server computes are declared and accepted as
+no-ops (``no_op``: ``user``, ``metadata``, ...), each saying why; ``server/fields.py`` lists every
+route's fields from these models, and docs/api.md's table is generated from it. Fields are typed
 strictly (no booleans as integers, no numbers as strings, no NaN or Infinity). A value that
-``SamplingParams`` rejects becomes a 400 naming the field (see ``server/errors.py``).
+``SamplingParams`` rejects becomes a 400 naming the field.
 """
 
 from __future__ import annotations
@@ -14,7 +19,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 
 from pagedllm.engine.sampling_params import (
     MAX_LOGPROBS,
@@ -45,6 +51,13 @@ def Int(**bounds) -> type[int]:  # noqa: N802 - a type, as the annotations read 
     return Annotated[int, Field(**bounds), BeforeValidator(_integral)]
 
 
+def _bool_only(value: object) -> object:
+    """``Literal[False]`` takes ``0`` too (it compares by equality): a boolean field takes booleans."""
+    if value is not None and not isinstance(value, bool):
+        raise PydanticCustomError("bool_type", "Input should be a valid boolean")
+    return value
+
+
 NonNegInt = Int(ge=0)
 TOKEN_ID_MARK = "x-token-id"  # how server/openapi.py finds the token ids to bound by the vocabulary
 TokenId = Int(ge=0, json_schema_extra={TOKEN_ID_MARK: True})
@@ -52,9 +65,20 @@ NonEmptyStr = Annotated[str, Field(min_length=1)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 
 
+NO_OP_MARK = "x-no-op"  # a field accepted and ignored; its value says why (server/fields.py lists them)
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # seeds: what OpenAI and vLLM (a torch long) take
+
+
+def no_op(why: str) -> Any:
+    """A field accepted and ignored, as documented: ``why`` says what it would mean and why nothing
+    here depends on it."""
+    return Field(None, json_schema_extra={NO_OP_MARK: why})
+
+
 class _Request(BaseModel):
+    # forbid: an unknown field is a 400 naming it, never silently ignored (issue 22)
     # strict: a boolean is not an integer, "3" not a number; no NaN or Infinity (issue 21)
-    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(_Request):
@@ -93,7 +117,7 @@ class SamplingFields(_Request):
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     top_k: Int(ge=-1, le=TOP_K_MAX) | None = None
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
-    seed: Int() | None = None
+    seed: Int(ge=INT64_MIN, le=INT64_MAX) | None = None
     stop: NonEmptyStr | list[NonEmptyStr] | None = None
     stop_token_ids: list[TokenId] | None = None
     presence_penalty: Penalty | None = None
@@ -109,7 +133,17 @@ class SamplingFields(_Request):
     cache_salt: Annotated[str, Field(min_length=1)] | None = None  # "" would equal no salt: refused
     response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None  # vLLM's extension: json / regex / choice / grammar / ...
-    user: str | None = None
+    user: str | None = no_op("OpenAI's end-user id for abuse monitoring; this server monitors no users")
+    metadata: dict[str, str] | None = no_op("OpenAI's tags for stored completions; this server stores none")
+    store: Annotated[Literal[False] | None, BeforeValidator(_bool_only)] = no_op(
+        "OpenAI's opt-in to store the completion; this server stores none, so only false is taken")
+    service_tier: Literal["auto", "default"] | None = no_op("OpenAI's processing tier; this server has one")
+
+    @model_validator(mode="after")
+    def _stream_options_need_a_stream(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options: only allowed when stream is true")
+        return self
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None = None) -> SamplingParams:
@@ -219,7 +253,9 @@ class DetokenizeRequest(_Request):
 def conversation(messages: list[ChatMessage]) -> list[dict[str, str]]:
     """The messages as the chat template takes them; InvalidRequest naming a role or content that
     is not valid UTF-8 (the tokenizer would raise a TypeError on it)."""
-    out = [{"role": m.role, "content": m.text()} for m in messages]
+    # a participant's ``name`` goes to the template too: templates that render it do, others skip it
+    out = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name is not None else {})}
+           for m in messages]
     for i, message in enumerate(out):
         for key, text in message.items():
             require_utf8(text, f"messages.{i}.{key}")

@@ -1,0 +1,102 @@
+"""Strict requests (issue 22): a field a route does not implement is a 400 ``unsupported_parameter``
+naming it, never silently ignored; the documented no-ops are accepted and change nothing; the
+fields of every route are one list (``server/fields.py``) and docs/api.md's table is made from it.
+The official ``openai`` client against the real ``pagedllm serve`` of tests/server/conftest.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from pagedllm.server.fields import ROUTES, fields_markdown, route_fields
+
+MODEL = "smollm"
+MESSAGES = [{"role": "user", "content": "Name a colour."}]
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "api.md"
+WEATHER = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def refused(call) -> dict:
+    with pytest.raises(openai.BadRequestError) as bad:
+        call()
+    return bad.value.body
+
+
+def test_an_unimplemented_field_is_a_400_naming_it(client):
+    """These were accepted and ignored: a 200 that did something else than asked."""
+    body = refused(lambda: client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=WEATHER,
+                                                          max_tokens=4))
+    assert (body["code"], body["param"]) == ("unsupported_parameter", "tools")
+    assert "'tools'" in body["message"] and "POST /v1/chat/completions" in body["message"]
+    body = refused(lambda: client.completions.create(model=MODEL, prompt="Hi", max_tokens=4,
+                                                     extra_body={"use_beam_search": True, "prompt_logprobs": 1}))
+    assert body["code"] == "unsupported_parameter" and body["param"] == "use_beam_search"
+    assert "'use_beam_search', 'prompt_logprobs'" in body["message"] and "parameters" in body["message"]
+
+
+def test_a_nested_unknown_field_is_named_with_its_path(client, server):
+    messages = [{"role": "user", "content": "Hi", "tool_call_id": "call_1"}]
+    body = refused(lambda: client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4))
+    assert (body["code"], body["param"]) == ("unsupported_parameter", "messages.0.tool_call_id")
+    r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "stream": True,
+                                                          "stream_options": {"include_usage": True, "x": 1}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options.x"
+    r = httpx.post(server.url + "/tokenize", json={"prompt": "Hi", "return_token_strs": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "return_token_strs"
+
+
+def test_the_documented_no_ops_change_nothing(client):
+    plain = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0)
+    with_no_ops = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0,
+                                                 user="u-1", metadata={"k": "v"}, store=False, service_tier="auto")
+    assert with_no_ops.choices[0].message.content == plain.choices[0].message.content
+    body = refused(lambda: client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, store=True))
+    assert body["param"] == "store"  # a stored completion could not be fetched back: refused, not ignored
+
+
+def test_stream_options_need_a_stream(client):
+    """OpenAI refuses ``stream_options`` without ``stream: true``; it was answered 200."""
+    body = refused(lambda: client.completions.create(model=MODEL, prompt="Hi", max_tokens=2,
+                                                     stream_options={"include_usage": True}))
+    assert body["param"] == "stream_options" and "stream is true" in body["message"]
+    chunks = list(client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert chunks[-1].usage.completion_tokens == 2
+
+
+def test_models_retrieve_names_the_served_model(client):
+    card = client.models.retrieve(MODEL)
+    assert card.id == MODEL and card.object == "model"
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("org/other-model")
+    assert missing.value.body["code"] == "model_not_found"
+
+
+def test_the_docs_field_table_is_generated_from_the_route_models():
+    text = DOCS.read_text()
+    start, end = "<!-- fields:start -->\n", "<!-- fields:end -->"
+    assert text[text.index(start) + len(start):text.index(end)] == fields_markdown(), \
+        "regenerate it: python -m pagedllm.server.fields, paste into docs/api.md"
+
+
+def test_every_listed_route_is_served_and_takes_exactly_its_fields(server):
+    """Each route of ``ROUTES`` exists with that method, and its OpenAPI body schema (what clients
+    see) has the listed top-level fields and refuses others (``additionalProperties: false``)."""
+    schema = httpx.get(server.url + "/openapi.json").json()
+    for route, model in ROUTES.items():
+        method, path = route.split(" ")
+        body = schema["paths"][path][method.lower()]["requestBody"]["content"]["application/json"]["schema"]
+        ref = body["$ref"].rsplit("/", 1)[1]
+        component = schema["components"]["schemas"][ref]
+        top_level = {f for f in route_fields(model) if "." not in f}
+        assert set(component["properties"]) == top_level, route
+        assert component.get("additionalProperties") is False, route
