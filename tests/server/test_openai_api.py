@@ -157,3 +157,26 @@ def test_errors_are_openai_shaped(client, server):
     r = httpx.get(server.url + "/v1/nothing-here")
     assert r.status_code == 404 and "error" in r.json()
     assert httpx.get(server.url + "/health").status_code == 200  # still serving
+
+
+def test_echoed_prompt_logprobs_line_up_with_the_echoed_text(client, smollm_fp32):
+    """The first prompt token had "" as its string and every offset was shifted by it; an echoed
+    token-id prompt lost its special tokens from ``text`` but kept them in ``logprobs``."""
+    tok = smollm_fp32.get_tokenizer()
+    prompt = "Hello, my name is"
+    ids = tok.encode(prompt)
+    for sent, echoed_prefix in ((prompt, prompt), ([1, *ids], tok.decode([1, *ids], skip_special_tokens=False))):
+        r = client.completions.create(model=MODEL, prompt=sent, max_tokens=3, temperature=0, echo=True, logprobs=1)
+        choice = choice_of(r)
+        lp, n = choice.logprobs, len(ids) + (0 if isinstance(sent, str) else 1)
+        assert choice.text.startswith(echoed_prefix) and len(lp.tokens) == n + 3
+        assert "".join(lp.tokens[:n]) == echoed_prefix and lp.tokens[0] != ""
+        assert lp.token_logprobs[0] is None and all(v is not None for v in lp.token_logprobs[1:])
+        assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(len(lp.tokens))]
+        assert "".join(lp.tokens) == choice.text  # the generated tokens continue the same text
+    assert echoed_prefix.startswith("<|im_start|>")  # token 1, a special token, echoed in text and logprobs
+
+
+def choice_of(r):
+    (choice,) = r.choices
+    return choice

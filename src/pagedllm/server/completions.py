@@ -1,7 +1,9 @@
 """``POST /v1/completions``: prompts (text, token ids, or lists of either) -> OpenAI completion
 objects, streamed as SSE chunks or returned whole. Choice ``k`` of a request with several prompts
 is prompt ``k // n``, sample ``k % n``; ``echo`` puts the prompt in front of the text (and, with
-``logprobs``, its log-probabilities in front of the generated ones)."""
+``logprobs``, its log-probabilities in front of the generated ones: each prompt token's string is
+its part of the echoed text, the first one's log-probability null, so ``text_offset`` indexes the
+text; an echoed token-id prompt keeps its special tokens in both, as vLLM's)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
+from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedllm.server.errors import error_chunk
 from pagedllm.server.protocol import CompletionRequest
@@ -36,11 +39,13 @@ class _Choice:
         self.text_offset: list[int] = []
         self.offset = 0
 
-    def add_logprobs(self, entries: list[dict[int, Logprob] | None], token_ids: list[int]) -> dict:
-        """Append legacy logprobs for these tokens; returns just the new part."""
+    def add_logprobs(self, entries: list[dict[int, Logprob] | None], token_ids: list[int],
+                     texts: list[str] | None = None) -> dict:
+        """Append legacy logprobs for these tokens (``texts``: each token's string, where the
+        caller has them; else the entry's decoded token); returns just the new part."""
         new = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        for token, entry in zip(token_ids, entries, strict=True):
-            text = logprob_token(entry[token]) if entry else ""
+        for i, (token, entry) in enumerate(zip(token_ids, entries, strict=True)):
+            text = texts[i] if texts is not None else logprob_token(entry[token]) if entry else ""
             new["tokens"].append(text)
             new["token_logprobs"].append(entry[token].logprob if entry else None)
             new["top_logprobs"].append({logprob_token(lp): lp.logprob for lp in entry.values()} if entry else None)
@@ -55,10 +60,21 @@ class _Choice:
                 "text_offset": self.text_offset}
 
 
-def _echo_prefix(ctx: ServerContext, out: RequestOutput) -> str:
+def prompt_token_texts(tokenizer, prompt_ids: list[int]) -> list[str]:
+    """Each prompt token's part of the detokenized prompt, special tokens included (as vLLM echoes
+    them): joined they are the prompt's text, so ``text_offset`` indexes the echoed text. A
+    character split over several tokens belongs to the token that completes it (the others: "")."""
+    stream = IncrementalDetokenizer(tokenizer, (), skip_special_tokens=False)
+    return [stream.add(t) for t in prompt_ids]
+
+
+def _echo(ctx: ServerContext, out: RequestOutput) -> tuple[str, list[str] | None]:
+    """The echoed prompt text, and each prompt token's string in it (None without a tokenizer).
+    A text prompt is echoed as sent; token ids as their detokenized text, special tokens kept."""
+    texts = prompt_token_texts(ctx.tokenizer, out.prompt_token_ids) if ctx.tokenizer is not None else None
     if out.prompt is not None:
-        return out.prompt
-    return ctx.tokenizer.decode(out.prompt_token_ids) if ctx.tokenizer is not None else ""
+        return out.prompt, texts
+    return ("".join(texts) if texts is not None else ""), texts
 
 
 async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Request):
@@ -84,9 +100,9 @@ def _start(ctx: ServerContext, req: CompletionRequest, choice: _Choice, out: Req
     """Echoed prompt text (and prompt logprobs) for a choice's first delta."""
     text, logprobs = "", None
     if req.echo:
-        text = _echo_prefix(ctx, out)
+        text, token_texts = _echo(ctx, out)
         if want and out.prompt_logprobs is not None:
-            logprobs = choice.add_logprobs(out.prompt_logprobs, out.prompt_token_ids)
+            logprobs = choice.add_logprobs(out.prompt_logprobs, out.prompt_token_ids, token_texts)
     return text, logprobs
 
 
