@@ -25,6 +25,9 @@ CROSS_FIELD_MESSAGES = re.compile("|".join([
     r"response_format\.json_schema\.schema is required",
     r"^structured_outputs",                                            # a JSON schema's text, regex, grammar
     r"^stream_options: only allowed when stream is true",              # as OpenAI
+    r"^continue_final_message: cannot be true together with add_generation_prompt",
+    # transformers' template: a last message with no text to continue, or not found in the render
+    r"^continue_final_message is set but (we could not find any text|the final message)",
 ]))
 
 

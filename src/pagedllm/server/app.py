@@ -164,14 +164,14 @@ def build_app(ctx: ServerContext, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) 
             raise OpenAIError(400, "give exactly one of 'prompt' or 'messages'", "prompt")
         try:
             if req.messages is not None:
-                tokens = await ctx.apply_chat_template(conversation(req.messages),
-                                                       add_generation_prompt=req.add_generation_prompt)
+                tokens = await ctx.apply_chat_template(conversation(req.messages), **req.template_kwargs())
             else:
                 tokens = await ctx.tokenize(req.prompt, "prompt", add_special_tokens=req.add_special_tokens)
         except InvalidRequest as exc:
             raise OpenAIError(400, str(exc), "messages" if req.messages is not None else "prompt") from None
         limit = ctx.engine.engine.config.scheduler.max_model_len
-        return {"tokens": tokens, "count": len(tokens), "max_model_len": limit}
+        strs = {"token_strs": ctx.tokenizer.hf.convert_ids_to_tokens(tokens)} if req.return_token_strs else {}
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": limit, **strs}
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest):

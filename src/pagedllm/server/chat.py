@@ -20,6 +20,7 @@ from pagedllm.server.serving import (
     logprob_token,
     merge,
     new_id,
+    prompt_logprobs_body,
     sse,
     unless_disconnected,
 )
@@ -31,7 +32,7 @@ async def chat_prompt_ids(ctx: ServerContext, req: ChatCompletionRequest) -> lis
     if ctx.tokenizer is None:
         raise OpenAIError(400, "this model has no tokenizer, so no chat template; use /v1/completions", "messages")
     try:
-        return await ctx.apply_chat_template(req.conversation(), add_generation_prompt=req.add_generation_prompt)
+        return await ctx.apply_chat_template(req.conversation(), **req.template_kwargs())
     except ValueError as exc:
         raise OpenAIError(400, str(exc), "messages") from None
 
@@ -55,16 +56,16 @@ def chat_logprobs(c: CompletionOutput, top: int) -> list[dict]:
 async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest, raw: Request):
     ctx.check_model(req.model)
     ctx.check_costs(req)
-    prompt_ids = await chat_prompt_ids(ctx, req)
+    limit = ctx.engine.engine.config.scheduler.max_model_len
+    prompt_ids = req.truncated(await chat_prompt_ids(ctx, req), limit)
     top = req.top_logprobs or 0
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    limit = ctx.engine.engine.config.scheduler.max_model_len
     if req.max_tokens is not None and req.max_tokens >= limit:  # checked even when max_completion_tokens rules
         raise OpenAIError(400, f"max_tokens ({req.max_tokens}) must be below max_model_len ({limit})", "max_tokens",
                           "context_length_exceeded")
     if max_tokens is None:  # --default-chat-max-tokens, else the rest of the context
         max_tokens = ctx.limits.default_chat_max_tokens
-    params = req.sampling_params(max_tokens, top if req.logprobs else None)
+    params = req.sampling_params(max_tokens, top if req.logprobs else None, prompt_logprobs=req.prompt_logprobs)
     request_id = new_id("chatcmpl")
     prompt = {"prompt_token_ids": prompt_ids, **_salt(ctx, req, raw)}
     outputs = merge(await add_prompts(ctx, [prompt], params, request_id, req.constraint_field), req.constraint_field)
@@ -80,17 +81,32 @@ def _salt(ctx: ServerContext, req: ChatCompletionRequest, raw: Request) -> dict:
     return {"cache_salt": salt} if salt is not None else {}
 
 
+def _prompt_extras(req: ChatCompletionRequest, out) -> dict:
+    """vLLM's response-level ``prompt_token_ids`` / ``prompt_logprobs``, where asked for."""
+    extras = {}
+    if req.return_token_ids:
+        extras["prompt_token_ids"] = list(out.prompt_token_ids)
+    if req.prompt_logprobs is not None:
+        extras["prompt_logprobs"] = prompt_logprobs_body(out.prompt_logprobs)
+    return extras
+
+
 async def _collect(req: ChatCompletionRequest, outputs, head: dict, top: int) -> dict:
     texts: dict[int, str] = {}
+    token_ids: dict[int, list[int]] = {}
     logprobs: dict[int, list] = {}
     finish: dict[int, tuple] = {}
     usage = Usage()
     first = True
+    extras = {"prompt_token_ids": None, "prompt_logprobs": None}  # vLLM's keys, null unless asked for
     async for _, out in outputs:
         usage.add(out, first)
+        if first:
+            extras |= _prompt_extras(req, out)
         first = False
         for c in out.outputs:
-            texts[c.index] = texts.get(c.index, "") + c.text
+            texts[c.index] = texts.get(c.index, req.echoed()) + c.text
+            token_ids.setdefault(c.index, []).extend(c.token_ids)
             if req.logprobs:
                 logprobs.setdefault(c.index, []).extend(chat_logprobs(c, top))
             if c.finish_reason is not None:
@@ -100,8 +116,9 @@ async def _collect(req: ChatCompletionRequest, outputs, head: dict, top: int) ->
         reason, stop_reason = finish.get(k, (None, None))
         choices.append({"index": k, "message": {"role": "assistant", "content": texts[k]},
                         "logprobs": {"content": logprobs.get(k, [])} if req.logprobs else None,
-                        "finish_reason": reason, "stop_reason": stop_reason})
-    return {**head, "choices": choices, "usage": usage.body()}
+                        "finish_reason": reason, "stop_reason": stop_reason,
+                        "token_ids": token_ids[k] if req.return_token_ids else None})
+    return {**head, "choices": choices, "usage": usage.body(), **extras}
 
 
 async def _stream(req: ChatCompletionRequest, outputs, head: dict, top: int) -> AsyncIterator[str]:
@@ -111,18 +128,24 @@ async def _stream(req: ChatCompletionRequest, outputs, head: dict, top: int) -> 
     try:
         async for _, out in outputs:
             usage.add(out, first)
+            extras = _prompt_extras(req, out) if first else {}  # the first chunk only, as vLLM
             first = False
             for c in out.outputs:
                 if c.index not in started:
                     started.add(c.index)
-                    yield sse({**head, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
-                                                    "logprobs": None, "finish_reason": None}]})
+                    yield sse({**head, "choices": [{"index": c.index,
+                                                    "delta": {"role": "assistant", "content": req.echoed()},
+                                                    "logprobs": None, "finish_reason": None}], **extras})
+                    extras = {}
                 if not c.text and c.finish_reason is None and not c.token_ids:
                     continue
-                yield sse({**head, "choices": [{
-                    "index": c.index, "delta": {"content": c.text} if c.text else {},
-                    "logprobs": {"content": chat_logprobs(c, top)} if req.logprobs else None,
-                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]})
+                chunk = {"index": c.index, "delta": {"content": c.text} if c.text else {},
+                         "logprobs": {"content": chat_logprobs(c, top)} if req.logprobs else None,
+                         "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                if req.return_token_ids:
+                    chunk["token_ids"] = list(c.token_ids)
+                usage_now = {"usage": usage.body()} if req.continuous_usage else {}
+                yield sse({**head, "choices": [chunk], **usage_now})
         if req.include_usage:
             yield sse({**head, "choices": [], "usage": usage.body()})
         yield sse("[DONE]")

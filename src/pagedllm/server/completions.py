@@ -23,6 +23,7 @@ from pagedllm.server.serving import (
     logprob_token,
     merge,
     new_id,
+    prompt_logprobs_body,
     sse,
     unless_disconnected,
 )
@@ -38,17 +39,23 @@ class _Choice:
         self.top_logprobs: list[dict[str, float] | None] = []
         self.text_offset: list[int] = []
         self.offset = 0
+        self.prompt_token_ids: list[int] | None = None  # return_token_ids
+        self.token_ids: list[int] = []
+        self.prompt_logprobs: list | None = None        # prompt_logprobs
 
     def add_logprobs(self, entries: list[dict[int, Logprob] | None], token_ids: list[int],
-                     texts: list[str] | None = None) -> dict:
+                     texts: list[str] | None = None, top: int | None = None) -> dict:
         """Append legacy logprobs for these tokens (``texts``: each token's string, where the
-        caller has them; else the entry's decoded token); returns just the new part."""
+        caller has them; else the entry's decoded token; ``top``: keep only the top that many
+        besides the token itself, where the entries hold more); returns just the new part."""
         new = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for i, (token, entry) in enumerate(zip(token_ids, entries, strict=True)):
             text = texts[i] if texts is not None else logprob_token(entry[token]) if entry else ""
             new["tokens"].append(text)
             new["token_logprobs"].append(entry[token].logprob if entry else None)
-            new["top_logprobs"].append({logprob_token(lp): lp.logprob for lp in entry.values()} if entry else None)
+            kept = entry and {t: lp for t, lp in entry.items()
+                              if top is None or t == token or (lp.rank is not None and lp.rank <= top)}
+            new["top_logprobs"].append({logprob_token(lp): lp.logprob for lp in kept.values()} if entry else None)
             new["text_offset"].append(self.offset)
             self.offset += len(text)
         for key, values in new.items():
@@ -85,11 +92,15 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Req
     if salt is not None:
         prompts = [{"prompt" if isinstance(p, str) else "prompt_token_ids": p, "cache_salt": salt} for p in prompts]
     want_logprobs = req.logprobs is not None
-    params = req.sampling_params(req.max_tokens, req.logprobs,
-                                 prompt_logprobs=req.logprobs if req.echo and want_logprobs else None)
+    # the prompt's logprobs: for an echo with logprobs, and vLLM's prompt_logprobs (the larger count)
+    wanted = [k for k in (req.logprobs if req.echo and want_logprobs else None, req.prompt_logprobs) if k is not None]
+    params = req.sampling_params(req.max_tokens, req.logprobs, prompt_logprobs=max(wanted) if wanted else None)
     request_id = new_id("cmpl")
     field = req.constraint_field
-    outputs = merge(await add_prompts(ctx, prompts, params, request_id, field), field)  # bad: 400
+    limit = ctx.engine.engine.config.scheduler.max_model_len
+    streams = await add_prompts(ctx, prompts, params, request_id, field,
+                                truncate=lambda ids: req.truncated(ids, limit))  # bad: 400
+    outputs = merge(streams, field)
     head = {"id": request_id, "object": "text_completion", "created": ctx.created, "model": ctx.model_name}
     if req.stream:
         return StreamingResponse(_stream(ctx, req, outputs, head, want_logprobs), media_type="text/event-stream")
@@ -99,17 +110,32 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Req
 def _start(ctx: ServerContext, req: CompletionRequest, choice: _Choice, out: RequestOutput, want: bool) -> tuple:
     """Echoed prompt text (and prompt logprobs) for a choice's first delta."""
     text, logprobs = "", None
+    if req.return_token_ids:
+        choice.prompt_token_ids = list(out.prompt_token_ids)
+    if req.prompt_logprobs is not None:
+        choice.prompt_logprobs = _top(out.prompt_logprobs, req.prompt_logprobs)
     if req.echo:
         text, token_texts = _echo(ctx, out)
         if want and out.prompt_logprobs is not None:
-            logprobs = choice.add_logprobs(out.prompt_logprobs, out.prompt_token_ids, token_texts)
+            logprobs = choice.add_logprobs(out.prompt_logprobs, out.prompt_token_ids, token_texts, req.logprobs)
     return text, logprobs
+
+
+def _top(entries, top: int) -> list | None:
+    """vLLM's ``prompt_logprobs`` body with the top ``top`` besides each prompt token (the engine
+    computed the larger of this and an echo's ``logprobs``)."""
+    if entries is None:
+        return None
+    return prompt_logprobs_body([None if e is None else {t: lp for i, (t, lp) in enumerate(e.items())
+                                                         if i == 0 or (lp.rank is not None and lp.rank <= top)}
+                                 for e in entries])
 
 
 def _delta(ctx, req, choice: _Choice, out: RequestOutput, c: CompletionOutput, started: bool, want: bool):
     text, logprobs = ("", None) if started else _start(ctx, req, choice, out, want)
     text += c.text
     choice.text += text
+    choice.token_ids += c.token_ids
     if want and c.logprobs is not None:
         new = choice.add_logprobs(c.logprobs, c.token_ids)
         if logprobs is None:
@@ -151,7 +177,11 @@ async def _collect(ctx, req, outputs, head, want) -> dict:
         acc.take(i, out)
     body = dict(head)
     body["choices"] = [{"index": k, "text": ch.text, "logprobs": ch.logprobs_body() if want else None,
-                        "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason}
+                        "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason,
+                        # vLLM's keys, null unless asked for (return_token_ids, prompt_logprobs)
+                        "prompt_token_ids": ch.prompt_token_ids,
+                        "token_ids": ch.token_ids if req.return_token_ids else None,
+                        "prompt_logprobs": ch.prompt_logprobs}
                        for k, ch in sorted(acc.choices.items())]
     body["usage"] = acc.usage.body()
     return body
@@ -160,12 +190,23 @@ async def _collect(ctx, req, outputs, head, want) -> dict:
 async def _stream(ctx, req, outputs, head, want) -> AsyncIterator[str]:
     acc = _Choices(ctx, req, want)
     try:
+        announced: set[int] = set()  # choices whose first chunk (prompt ids, prompt logprobs) was sent
         async for i, out in outputs:
             for k, text, logprobs, c in acc.take(i, out):
                 if text or c.finish_reason is not None or c.token_ids:
-                    yield sse({**head, "choices": [{"index": k, "text": text, "logprobs": logprobs,
-                                                    "finish_reason": c.finish_reason,
-                                                    "stop_reason": c.stop_reason}]})
+                    chunk = {"index": k, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason,
+                             "stop_reason": c.stop_reason}
+                    if k not in announced:
+                        announced.add(k)
+                        choice = acc.choices[k]
+                        if req.return_token_ids:
+                            chunk["prompt_token_ids"] = choice.prompt_token_ids
+                        if req.prompt_logprobs is not None:
+                            chunk["prompt_logprobs"] = choice.prompt_logprobs
+                    if req.return_token_ids:
+                        chunk["token_ids"] = list(c.token_ids)
+                    usage = {"usage": acc.usage.body()} if req.continuous_usage else {}
+                    yield sse({**head, "choices": [chunk], **usage})
         if req.include_usage:
             yield sse({**head, "choices": [], "usage": acc.usage.body()})
         yield sse("[DONE]")

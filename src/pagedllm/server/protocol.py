@@ -83,6 +83,7 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk carries the usage so far
 
 
 class JsonSchemaFormat(_Request):
@@ -133,6 +134,11 @@ class SamplingFields(_Request):
     cache_salt: Annotated[str, Field(min_length=1)] | None = None  # "" would equal no salt: refused
     response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None  # vLLM's extension: json / regex / choice / grammar / ...
+    # vLLM's extensions (docs/api.md): token ids in the answer, the prompt's logprobs, a prompt cut
+    # to its last tokens
+    return_token_ids: bool = False
+    prompt_logprobs: Int(ge=0, le=MAX_LOGPROBS) | None = None
+    truncate_prompt_tokens: Int(ge=1) | Literal[-1] | None = None  # -1: max_model_len
     user: str | None = no_op("OpenAI's end-user id for abuse monitoring; this server monitors no users")
     metadata: dict[str, str] | None = no_op("OpenAI's tags for stored completions; this server stores none")
     store: Annotated[Literal[False] | None, BeforeValidator(_bool_only)] = no_op(
@@ -144,6 +150,19 @@ class SamplingFields(_Request):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only allowed when stream is true")
         return self
+
+    def truncated(self, prompt_ids: list[int], max_model_len: int) -> list[int]:
+        """The prompt's last ``truncate_prompt_tokens`` tokens (-1: ``max_model_len``), as vLLM."""
+        keep = self.truncate_prompt_tokens
+        if keep is None:
+            return prompt_ids
+        keep = max_model_len if keep == -1 else keep
+        return prompt_ids[-keep:]
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage in every chunk: ``stream_options`` with ``include_usage`` and ``continuous_usage_stats``."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None = None) -> SamplingParams:
@@ -228,9 +247,34 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: Int(ge=0, le=MAX_LOGPROBS) | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # vLLM's: the model goes on with the last message
+    echo: bool = False                    # vLLM's: the reply starts with the last message when it is the assistant's
+
+    @model_validator(mode="after")
+    def _continue_or_prompt(self):
+        _template_flags(self)
+        return self
 
     def conversation(self) -> list[dict[str, str]]:
         return conversation(self.messages)
+
+    def template_kwargs(self) -> dict:
+        return {"add_generation_prompt": self.add_generation_prompt,
+                "continue_final_message": self.continue_final_message}
+
+    def echoed(self) -> str:
+        """What ``echo`` puts in front of the reply: the last message, if it is the assistant's."""
+        last = self.messages[-1]
+        return last.text() if self.echo and last.role == "assistant" else ""
+
+
+def _template_flags(req) -> None:
+    """``continue_final_message`` with ``add_generation_prompt`` left at its default turns the
+    latter off (they cannot both hold, as vLLM); both given true is a 400."""
+    if req.continue_final_message:
+        if req.add_generation_prompt and "add_generation_prompt" in req.model_fields_set:
+            raise ValueError("continue_final_message: cannot be true together with add_generation_prompt")
+        req.add_generation_prompt = False
 
 
 class TokenizeRequest(_Request):
@@ -243,6 +287,17 @@ class TokenizeRequest(_Request):
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    return_token_strs: bool = False  # vLLM's: each token's string (the vocabulary's spelling) as token_strs
+
+    @model_validator(mode="after")
+    def _continue_or_prompt(self):
+        _template_flags(self)
+        return self
+
+    def template_kwargs(self) -> dict:
+        return {"add_generation_prompt": self.add_generation_prompt,
+                "continue_final_message": self.continue_final_message}
 
 
 class DetokenizeRequest(_Request):

@@ -16,7 +16,7 @@ import json
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 from fastapi import Request
@@ -196,14 +196,19 @@ async def compile_constraint(ctx: ServerContext, params: SamplingParams, field: 
 
 
 async def add_prompts(ctx: ServerContext, prompts: list, params: SamplingParams,
-                      request_id: str, constraint_field: str = "response_format") -> list[RequestStream]:
+                      request_id: str, constraint_field: str = "response_format",
+                      truncate: Callable[[list[int]], list[int]] | None = None) -> list[RequestStream]:
     """Admit (``ServerContext.admit``), validate and queue one engine request per prompt: all of
     them, or none (the first error is raised, e.g. ``InvalidRequest`` -> 400, before any response
-    starts). Each stream gives its ``n`` sequences back to the admission count when it ends."""
+    starts). Each stream gives its ``n`` sequences back to the admission count when it ends.
+    ``truncate`` cuts each tokenized prompt (``truncate_prompt_tokens``); a cut text prompt is then
+    its token ids only, so an echo gives back what the model saw."""
     admission = ctx.admit(len(prompts) * params.n)
     streams: list[RequestStream] = []
     try:
         prompts = [await _tokenized(ctx, p) for p in prompts]
+        if truncate is not None:
+            prompts = [_truncated(p, truncate) for p in prompts]
         await compile_constraint(ctx, params, constraint_field)
         for i, p in enumerate(prompts):
             stream = await ctx.engine.add_request(f"{request_id}-{i}", p, params)
@@ -215,6 +220,28 @@ async def add_prompts(ctx: ServerContext, prompts: list, params: SamplingParams,
         admission.release()
         raise
     return streams
+
+
+def _truncated(prompt, truncate: Callable[[list[int]], list[int]]):
+    if isinstance(prompt, list):
+        prompt = {"prompt_token_ids": prompt}
+    ids = prompt.get("prompt_token_ids")
+    if ids is None:
+        return prompt
+    cut = truncate(list(ids))
+    if len(cut) == len(ids):
+        return prompt
+    return {k: v for k, v in prompt.items() if k != "prompt"} | {"prompt_token_ids": cut}
+
+
+def prompt_logprobs_body(entries) -> list[dict | None] | None:
+    """vLLM's ``prompt_logprobs``: per prompt token None (the first) or ``{token id: {"logprob",
+    "rank", "decoded_token"}}``, the prompt's own token first, then the top ones."""
+    if entries is None:
+        return None
+    return [None if entry is None else {str(t): {"logprob": lp.logprob, "rank": lp.rank,
+                                                 "decoded_token": lp.decoded_token}
+                                        for t, lp in entry.items()} for entry in entries]
 
 
 async def _tokenized(ctx: ServerContext, prompt):

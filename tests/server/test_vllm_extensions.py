@@ -1,0 +1,135 @@
+"""vLLM's request extensions (issue 22, item 5) with the official ``openai`` client against the real
+``pagedllm serve`` of tests/server/conftest.py (the embedded SmolLM2 in float32, so greedy answers
+equal ``LLM.generate``'s): ``return_token_ids``, ``prompt_logprobs``, ``continuous_usage_stats``,
+``truncate_prompt_tokens``, ``continue_final_message`` with chat ``echo``, ``/tokenize``'s
+``return_token_strs``. Each was accepted and ignored before (a 200 without what was asked)."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from pagedllm import SamplingParams
+
+MODEL = "smollm"
+PROMPT = "The capital of France is"
+MESSAGES = [{"role": "user", "content": "Name a colour."}]
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def engine_greedy(llm, prompt, **kw):
+    return llm.generate(prompt, SamplingParams(temperature=0, **kw), use_tqdm=False)[0]
+
+
+def test_return_token_ids_on_completions(client, smollm_fp32):
+    tok = smollm_fp32.get_tokenizer()
+    expected = engine_greedy(smollm_fp32, PROMPT, max_tokens=6).outputs[0]
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0,
+                                  extra_body={"return_token_ids": True})
+    (choice,) = r.choices
+    assert choice.prompt_token_ids == tok.encode(PROMPT) and choice.token_ids == list(expected.token_ids)
+    assert tok.decode(choice.token_ids).startswith(choice.text)
+    plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0).model_dump()
+    assert plain["choices"][0]["prompt_token_ids"] is None and plain["choices"][0]["token_ids"] is None
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, stream=True,
+                                            extra_body={"return_token_ids": True}))
+    assert chunks[0].choices[0].prompt_token_ids == tok.encode(PROMPT)
+    assert all("prompt_token_ids" not in c.choices[0].model_dump() for c in chunks[1:])
+    assert [t for c in chunks for t in c.choices[0].token_ids] == list(expected.token_ids)
+
+
+def test_return_token_ids_on_chat(client, smollm_fp32):
+    tok = smollm_fp32.get_tokenizer()
+    prompt_ids = tok.apply_chat_template(MESSAGES)
+    expected = engine_greedy(smollm_fp32, {"prompt_token_ids": prompt_ids}, max_tokens=6).outputs[0]
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0,
+                                       extra_body={"return_token_ids": True})
+    assert r.prompt_token_ids == prompt_ids and r.choices[0].token_ids == list(expected.token_ids)
+    plain = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, temperature=0)
+    assert plain.prompt_token_ids is None and plain.choices[0].token_ids is None
+    chunks = list(client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0,
+                                                 stream=True, extra_body={"return_token_ids": True}))
+    assert chunks[0].prompt_token_ids == prompt_ids
+    assert all("prompt_token_ids" not in c.model_dump() for c in chunks[1:])
+    assert [t for c in chunks for t in (c.choices[0].model_dump().get("token_ids") or [])] == \
+        list(expected.token_ids)
+
+
+def test_prompt_logprobs_are_the_engines(client, smollm_fp32, server):
+    expected = engine_greedy(smollm_fp32, PROMPT, max_tokens=1, prompt_logprobs=2).prompt_logprobs
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, temperature=0,
+                                  extra_body={"prompt_logprobs": 2})
+    got = r.choices[0].prompt_logprobs
+    assert got[0] is None and len(got) == len(expected)
+    for entry, want in zip(got[1:], expected[1:], strict=True):
+        assert list(entry) == [str(t) for t in want]  # the prompt's own token first, then the top 2
+        for t, lp in want.items():
+            assert entry[str(t)]["logprob"] == pytest.approx(lp.logprob, abs=1e-5)
+            assert entry[str(t)]["rank"] == lp.rank and entry[str(t)]["decoded_token"] == lp.decoded_token
+    chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1,
+                                          extra_body={"prompt_logprobs": 0})
+    assert chat.prompt_logprobs[0] is None and all(len(e) == 1 for e in chat.prompt_logprobs[1:])
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": PROMPT, "prompt_logprobs": -1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"  # not the whole vocabulary
+
+
+def test_continuous_usage_stats_put_usage_in_every_chunk(client):
+    for create in (lambda **kw: client.completions.create(prompt=PROMPT, **kw),
+                   lambda **kw: client.chat.completions.create(messages=MESSAGES, **kw)):
+        chunks = list(create(model=MODEL, max_tokens=5, temperature=0, stream=True, extra_body={"ignore_eos": True},
+                             stream_options={"include_usage": True, "continuous_usage_stats": True}))
+        with_choices = [c for c in chunks if c.choices and c.usage is not None]
+        counts = [c.usage.completion_tokens for c in with_choices]
+        assert counts == sorted(counts) and counts[-1] == 5 and chunks[-1].usage.completion_tokens == 5
+        plain = list(create(model=MODEL, max_tokens=3, temperature=0, stream=True,
+                            stream_options={"include_usage": True}))
+        assert all(c.usage is None for c in plain[:-1]) and plain[-1].usage.completion_tokens == 3
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(client, smollm_fp32):
+    tok = smollm_fp32.get_tokenizer()
+    ids = tok.encode(PROMPT)
+    expected = engine_greedy(smollm_fp32, {"prompt_token_ids": ids[-3:]}, max_tokens=4).outputs[0].text
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, echo=True,
+                                  extra_body={"truncate_prompt_tokens": 3})
+    assert r.usage.prompt_tokens == 3 and r.choices[0].text == tok.decode(ids[-3:]) + expected
+    chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1,
+                                          extra_body={"truncate_prompt_tokens": 4})
+    assert chat.usage.prompt_tokens == 4
+    whole = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1,
+                                      extra_body={"truncate_prompt_tokens": -1})  # -1: up to max_model_len
+    assert whole.usage.prompt_tokens == len(ids)
+
+
+def test_continue_final_message_and_chat_echo(client, smollm_fp32, server):
+    tok = smollm_fp32.get_tokenizer()
+    partial = [*MESSAGES, {"role": "assistant", "content": "My favourite colour is"}]
+    text = tok.hf.apply_chat_template(partial, continue_final_message=True, tokenize=False)
+    assert text.endswith("My favourite colour is")  # left open: no end-of-turn after it
+    ids = tok.encode(text, add_special_tokens=False)
+    assert httpx.post(server.url + "/tokenize", json={"messages": partial, "continue_final_message": True,
+                                                      "add_generation_prompt": False}).json()["tokens"] == ids
+    expected = engine_greedy(smollm_fp32, {"prompt_token_ids": ids}, max_tokens=5).outputs[0].text
+    r = client.chat.completions.create(model=MODEL, messages=partial, max_tokens=5, temperature=0,
+                                       extra_body={"continue_final_message": True, "echo": True})
+    assert r.choices[0].message.content == "My favourite colour is" + expected
+    streamed = list(client.chat.completions.create(model=MODEL, messages=partial, max_tokens=5, temperature=0,
+                                                   stream=True, extra_body={"continue_final_message": True,
+                                                                            "echo": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == r.choices[0].message.content
+    body = httpx.post(server.url + "/v1/chat/completions", json={
+        "messages": partial, "continue_final_message": True, "add_generation_prompt": True}).json()
+    assert body["error"]["param"] == "continue_final_message"
+
+
+def test_tokenize_returns_token_strings(server, smollm_fp32):
+    tok = smollm_fp32.get_tokenizer()
+    body = httpx.post(server.url + "/tokenize", json={"prompt": PROMPT, "return_token_strs": True}).json()
+    assert body["tokens"] == tok.encode(PROMPT)
+    assert body["token_strs"] == tok.hf.convert_ids_to_tokens(body["tokens"])
+    assert "token_strs" not in httpx.post(server.url + "/tokenize", json={"prompt": PROMPT}).json()
