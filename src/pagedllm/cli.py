@@ -194,7 +194,8 @@ def cmd_serve(args) -> int:
     return serve(options, host=args.host, port=args.port, api_keys=tuple(args.api_key or ()),
                  served_model_name=args.served_model_name, max_queue=args.max_queue,
                  max_body_bytes=args.max_body_bytes, uvicorn_log_level=args.uvicorn_log_level, limits=limits,
-                 guard_metrics=args.guard_metrics, salt_per_key=args.cache_salt_per_key)
+                 guard_metrics=args.guard_metrics, salt_per_key=args.cache_salt_per_key,
+                 metrics_prefix=args.metrics_prefix, root_path=args.root_path)
 
 
 def cmd_bench(args) -> int:
@@ -279,6 +280,11 @@ def make_parser() -> argparse.ArgumentParser:
                      help="most requests waiting for a sequence slot; more get 429 with Retry-After")
     srv.add_argument("--max-body-bytes", type=int, default=None, help="largest request body (default 8 MiB)")
     srv.add_argument("--uvicorn-log-level", default="warning", choices=["critical", "error", "warning", "info"])
+    srv.add_argument("--metrics-prefix", default="pagedllm", choices=["pagedllm", "vllm"],
+                     help="name the /metrics series pagedllm:* (default) or vllm:* with vLLM's model_name label, "
+                          "for dashboards built for vLLM")
+    srv.add_argument("--root-path", default="",
+                     help="the path prefix a proxy serves this server under (e.g. /llm), as vLLM's --root-path")
     add_option_args(srv)
     srv.set_defaults(func=cmd_serve)
     tr = sub.add_parser("trace", help="write a seeded request trace (JSONL) for the benchmarks and the simulator")

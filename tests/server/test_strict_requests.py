@@ -100,3 +100,45 @@ def test_every_listed_route_is_served_and_takes_exactly_its_fields(server):
         top_level = {f for f in route_fields(model) if "." not in f}
         assert set(component["properties"]) == top_level, route
         assert component.get("additionalProperties") is False, route
+
+
+@pytest.fixture(scope="module")
+def proxied(tiny_folder):
+    """A server behind a path-based proxy (``--root-path /llm``) with a key and vLLM's metric names."""
+    from tests.server.conftest import ServerProcess
+
+    proc = ServerProcess(str(tiny_folder), "--dtype", "float32", "--num-kv-blocks", "64", "--root-path", "/llm",
+                         "--api-key", "sk-proxy", "--metrics-prefix", "vllm", "--served-model-name", "tiny")
+    yield proc
+    proc.stop()
+
+
+def test_root_path_serves_both_paths_and_keeps_the_key_guard(proxied):
+    """As vLLM's ``--root-path`` test: ``/llm/v1`` and ``/v1`` both answer, and both need the key."""
+    for base in ("/v1", "/llm/v1"):
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=proxied.url + base, api_key="wrong", max_retries=0).models.list()
+        good = openai.OpenAI(base_url=proxied.url + base, api_key="sk-proxy", max_retries=0)
+        assert [m.id for m in good.models.list().data] == ["tiny"]
+        assert good.completions.create(model="tiny", prompt="Hi", max_tokens=2).usage.completion_tokens == 2
+    assert httpx.post(proxied.url + "/llm/tokenize", json={"prompt": "Hi"}).status_code == 401  # guarded too
+    assert httpx.get(proxied.url + "/openapi.json").json()["servers"] == [{"url": "/llm"}]
+
+
+def test_vllm_metric_names_carry_the_model_name(proxied):
+    """Dashboards built for vLLM's ``vllm:*`` series (with its ``model_name`` label) read these."""
+    text = httpx.get(proxied.url + "/metrics").text
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prefix_cache_queries_total",
+                 "prefix_cache_hits_total", "num_preemptions_total", "prompt_tokens_total", "generation_tokens_total",
+                 "time_to_first_token_seconds_count", "inter_token_latency_seconds_count",
+                 "e2e_request_latency_seconds_count", "request_queue_time_seconds_count"):
+        assert f'vllm:{name}{{model_name="tiny"}}' in text, name
+    assert 'vllm:request_success_total{finished_reason="length",model_name="tiny"}' in text
+    assert "pagedllm:" not in text
+
+
+def test_tokenizer_info_describes_the_served_tokenizer(server, smollm_fp32):
+    info = httpx.get(server.url + "/tokenizer_info").json()
+    hf = smollm_fp32.get_tokenizer().hf
+    assert info["tokenizer_class"] == type(hf).__name__ and info["chat_template"] == hf.chat_template
+    assert info["vocab_size"] == len(hf) and info["eos_token"] == hf.eos_token

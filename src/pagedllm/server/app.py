@@ -84,7 +84,35 @@ class _Body:
 
 # What ``--api-key`` guards: the OpenAI routes, the tokenizer routes and the dashboard's data (the
 # page and its assets hold none, so a browser can load them and send the key from ``#key=``).
-GUARDED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/dashboard/state")
+GUARDED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/tokenizer_info", "/dashboard/state")
+
+
+def route_path(scope) -> str:
+    """The path the routes match: the ASGI path without ``root_path`` (uvicorn puts ``--root-path``
+    in front of every path, as the ASGI spec has it), as Starlette's routing takes it."""
+    path, root = scope["path"], scope.get("root_path", "")
+    if root and (path == root or path.startswith(root + "/")):
+        return path[len(root):] or "/"
+    return path
+
+
+class _RootPath:
+    """``--root-path /llm``: a request for ``/llm/v1/...`` (a proxy that keeps the prefix, or a
+    client calling it directly) is served as ``/v1/...``, as one for ``/v1/...`` (a proxy that
+    strips it) is; the OpenAPI schema names the prefix. Runs first: the API-key guard and the
+    routes then see one path, ``route_path``, whichever way the request came."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        root = scope.get("root_path", "") if scope["type"] == "http" else ""
+        if root:
+            inner = route_path(scope)
+            if inner == root or inner.startswith(root + "/"):  # the client's own copy of the prefix
+                inner = inner[len(root):] or "/"
+                scope = {**scope, "path": root + inner, "raw_path": (root + inner).encode()}
+        return await self.app(scope, receive, send)
 
 
 def tenant_salt(key: str) -> str:
@@ -103,7 +131,7 @@ class _ApiKey:
         self.expected = [(f"Bearer {key}".encode(), tenant_salt(key)) for key in keys]
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith(self.prefixes):
+        if scope["type"] == "http" and route_path(scope).startswith(self.prefixes):
             given = dict(scope.get("headers", ())).get(b"authorization", b"")
             tenant = None
             for expected, salt in self.expected:  # every key compared, in constant time each
@@ -117,6 +145,16 @@ class _ApiKey:
         return await self.app(scope, receive, send)
 
 
+def tokenizer_description(hf) -> dict:
+    """``/tokenizer_info``'s body: ``tokenizer_class``, ``chat_template``, ``vocab_size``, the special
+    tokens, then every other init setting that is plain JSON (strings, numbers, booleans)."""
+    plain = {k: v for k, v in getattr(hf, "init_kwargs", {}).items()
+             if isinstance(v, str | int | float | bool) and not k.endswith("_file")}
+    special = {k: str(v) for k, v in hf.special_tokens_map.items() if isinstance(v, str)}
+    return {**plain, **special, "tokenizer_class": type(hf).__name__, "chat_template": hf.chat_template,
+            "vocab_size": len(hf), "model_max_length": plain.get("model_max_length")}
+
+
 def build_app(ctx: ServerContext, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     app = FastAPI(title="pagedllm", version=pagedllm.__version__, docs_url=None, redoc_url=None)
     app.state.ctx = ctx
@@ -126,6 +164,7 @@ def build_app(ctx: ServerContext, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) 
         app.add_middleware(_ApiKey, keys=ctx.api_keys, prefixes=guarded)
     install_openapi(app, ctx, guarded)
     app.add_middleware(_Body, limit=max_body_bytes, timeout_s=ctx.limits.body_timeout_s)
+    app.add_middleware(_RootPath)  # the last added runs first
     install_dashboard(app, ctx)
 
     @app.post("/v1/completions")
@@ -172,6 +211,14 @@ def build_app(ctx: ServerContext, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) 
         limit = ctx.engine.engine.config.scheduler.max_model_len
         strs = {"token_strs": ctx.tokenizer.hf.convert_ids_to_tokens(tokens)} if req.return_token_strs else {}
         return {"tokens": tokens, "count": len(tokens), "max_model_len": limit, **strs}
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        """vLLM's ``/tokenizer_info``: the tokenizer's class, chat template, special tokens and the
+        JSON-representable part of its configuration, so a client can tokenize as the server does."""
+        if ctx.tokenizer is None:
+            raise OpenAIError(400, "this model has no tokenizer")
+        return tokenizer_description(ctx.tokenizer.hf)
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest):

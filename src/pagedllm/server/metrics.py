@@ -1,5 +1,12 @@
 """Prometheus metrics (``prometheus_client``), named ``pagedllm:*`` after vLLM's ``vllm:*`` ones.
 
+``--metrics-prefix vllm`` names them ``vllm:*`` instead, each with vLLM's ``model_name`` label (the
+served name), so dashboards and alerts built for vLLM work unchanged: the names that vLLM has
+(``num_requests_running``/``waiting``, ``kv_cache_usage_perc``, ``prefix_cache_queries``/``hits``,
+``num_preemptions``, ``prompt_tokens``, ``generation_tokens``, ``request_success{finished_reason}``,
+``time_to_first_token_seconds``, ``inter_token_latency_seconds``, ``e2e_request_latency_seconds``,
+``request_queue_time_seconds``) are the same metric, the others ours (docs/api.md).
+
 Two sources. The engine's own state (queues, KV pool usage, fragmentation, cumulative prefix-cache
 and preemption counters) is read at scrape time, between two engine steps (``engine_snapshot``
 runs on the engine thread), so it is always consistent with one step. Request lifecycle metrics
@@ -19,6 +26,7 @@ from pagedllm.engine.engine import Engine
 from pagedllm.engine.outputs import RequestOutput
 
 PREFIX = "pagedllm:"
+METRIC_PREFIXES = ("pagedllm", "vllm")  # --metrics-prefix: ours (no labels) or vLLM's (with model_name)
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                    20.0, 40.0, 80.0)
 
@@ -35,8 +43,16 @@ def engine_snapshot(engine: Engine) -> dict:
 class _EngineCollector:
     """Gauges and cumulative counters from the latest engine snapshot."""
 
-    def __init__(self) -> None:
+    def __init__(self, prefix: str = PREFIX, labels: dict[str, str] | None = None) -> None:
         self.snapshot: dict = {}
+        self.prefix, self.labels = prefix, dict(labels or {})
+
+    def _family(self, kind, name: str, doc: str, value: float):
+        if not self.labels:
+            return kind(self.prefix + name, doc, value=value)
+        family = kind(self.prefix + name, doc, labels=list(self.labels))
+        family.add_metric(list(self.labels.values()), value)
+        return family
 
     def collect(self):
         s = self.snapshot
@@ -52,7 +68,7 @@ class _EngineCollector:
             "kv_cache_fragmentation": ("reserved but unfilled KV slots / reserved slots", s["fragmentation"]),
         }
         for name, (doc, value) in gauges.items():
-            yield GaugeMetricFamily(PREFIX + name, doc, value=value)
+            yield self._family(GaugeMetricFamily, name, doc, value)
         counters = {
             "prefix_cache_queries": ("prompt tokens looked up in the prefix cache", s["prefix_cache_queries"]),
             "prefix_cache_hits": ("prompt tokens found in the prefix cache", s["prefix_cache_hits"]),
@@ -62,29 +78,41 @@ class _EngineCollector:
             "engine_steps": ("engine steps run (a step: one forward pass over the batch)", s["num_steps"]),
         }
         for name, (doc, value) in counters.items():
-            yield CounterMetricFamily(PREFIX + name, doc, value=value)
+            yield self._family(CounterMetricFamily, name, doc, value)
 
 
 class ServerMetrics:
     """The server's registry: engine state at scrape time plus request lifecycle metrics."""
 
-    def __init__(self) -> None:
+    def __init__(self, prefix: str = "pagedllm", model_name: str | None = None) -> None:
+        """``prefix``: one of ``METRIC_PREFIXES``; with ``vllm``, every metric carries ``model_name``."""
+        if prefix not in METRIC_PREFIXES:
+            raise ValueError(f"metrics prefix must be one of {METRIC_PREFIXES}, got {prefix!r}")
+        if prefix == "vllm" and not model_name:
+            raise ValueError("vLLM's metric names need the served model_name for their label")
+        labels = {"model_name": model_name} if prefix == "vllm" else {}
+        p = prefix + ":"
         self.registry = CollectorRegistry()
-        self.engine_state = _EngineCollector()
+        self.engine_state = _EngineCollector(p, labels)
         self.registry.register(self.engine_state)
-        r = self.registry
-        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "prompt tokens of finished requests", registry=r)
-        self.generation_tokens = Counter(PREFIX + "generation_tokens", "tokens generated", registry=r)
-        self.request_success = Counter(PREFIX + "request_success", "finished requests by finish reason",
-                                       ["finished_reason"], registry=r)
-        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "arrival to first token",
-                              buckets=LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "time between a request's tokens",
-                             buckets=LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "arrival to finish",
-                             buckets=LATENCY_BUCKETS, registry=r)
-        self.queue_time = Histogram(PREFIX + "request_queue_time_seconds", "arrival to first scheduled",
-                                    buckets=LATENCY_BUCKETS, registry=r)
+        r, names = self.registry, list(labels)
+
+        def one(metric):  # the child of the constant labels (the metric itself without any)
+            return metric.labels(**labels) if labels else metric
+
+        self.prompt_tokens = one(Counter(p + "prompt_tokens", "prompt tokens of finished requests", names, registry=r))
+        self.generation_tokens = one(Counter(p + "generation_tokens", "tokens generated", names, registry=r))
+        success = Counter(p + "request_success", "finished requests by finish reason", [*names, "finished_reason"],
+                          registry=r)
+        self._success = lambda reason: success.labels(**labels, finished_reason=reason)
+        self.ttft = one(Histogram(p + "time_to_first_token_seconds", "arrival to first token", names,
+                                  buckets=LATENCY_BUCKETS, registry=r))
+        self.itl = one(Histogram(p + "inter_token_latency_seconds", "time between a request's tokens", names,
+                                 buckets=LATENCY_BUCKETS, registry=r))
+        self.e2e = one(Histogram(p + "e2e_request_latency_seconds", "arrival to finish", names,
+                                 buckets=LATENCY_BUCKETS, registry=r))
+        self.queue_time = one(Histogram(p + "request_queue_time_seconds", "arrival to first scheduled", names,
+                                        buckets=LATENCY_BUCKETS, registry=r))
         self._last_token_time: dict[str, float] = {}
 
     def on_output(self, out: RequestOutput) -> None:
@@ -106,8 +134,7 @@ class ServerMetrics:
             self._last_token_time.pop(out.request_id, None)
             self.prompt_tokens.inc(len(out.prompt_token_ids))
             reasons = {c.finish_reason for c in out.outputs if c.finish_reason}
-            self.request_success.labels(finished_reason=(reasons.pop() if len(reasons) == 1 else "mixed")
-                                        if reasons else "abort").inc()
+            self._success((reasons.pop() if len(reasons) == 1 else "mixed") if reasons else "abort").inc()
             if m is not None:
                 self.e2e.observe(now - m.arrival_time)
 

@@ -75,6 +75,8 @@ def _route_errors(path: str, method: str, guarded: bool) -> tuple[int, ...]:
         codes += [429, 503]
     if path.startswith("/v1/models/"):  # GET /v1/models/{id}: another model's id, or one not UTF-8
         codes += [400, 404]
+    if path == "/tokenizer_info":  # a model without a tokenizer
+        codes.append(400)
     if path in ("/health", "/dashboard/state", "/metrics"):
         codes.append(503)
     return tuple(sorted(codes))

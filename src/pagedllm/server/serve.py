@@ -53,10 +53,11 @@ def startup_line(engine: Engine, url: str, model_name: str) -> str:
 
 
 def uvicorn_config(app, host: str, port: int, limits: ServerLimits | None = None,
-                   log_level: str = "warning") -> uvicorn.Config:
-    """uvicorn's config for ``app``: h11 with the header read timeout (``server/timeouts.py``)."""
+                   log_level: str = "warning", root_path: str = "") -> uvicorn.Config:
+    """uvicorn's config for ``app``: h11 with the header read timeout (``server/timeouts.py``);
+    ``root_path``: the prefix a proxy serves it under (``--root-path /llm``: ``/llm/v1/...``)."""
     limits = limits or ServerLimits()
-    return uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False, root_path=root_path,
                           timeout_graceful_shutdown=10, http=header_timeout_protocol(limits.header_timeout_s))
 
 
@@ -68,23 +69,32 @@ def keys_from_env() -> tuple[str, ...]:
 def serve(options: dict, host: str = "127.0.0.1", port: int = 8000, api_keys: tuple[str, ...] = (),
           served_model_name: str | None = None, max_queue: int = 1024, max_body_bytes: int | None = None,
           uvicorn_log_level: str = "warning", limits: ServerLimits | None = None,
-          guard_metrics: bool = False, salt_per_key: bool = False) -> int:
+          guard_metrics: bool = False, salt_per_key: bool = False, metrics_prefix: str = "pagedllm",
+          root_path: str = "") -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     api_keys = tuple(api_keys) or keys_from_env()
     if salt_per_key and not api_keys:
         raise SystemExit("--cache-salt-per-key needs --api-key (one per tenant)")
-    metrics = ServerMetrics()
+    # vLLM's metric names carry the served name; without --served-model-name it is known after
+    # the load, so the metrics hook resolves the registry then (the engine runs no request before)
+    metrics_ready: list[ServerMetrics] = []
+    if served_model_name or metrics_prefix == "pagedllm":
+        metrics_ready.append(ServerMetrics(metrics_prefix, served_model_name or options.get("model")))
     # built on the engine thread: the main thread (uvicorn's) never runs a torch parallel region
-    async_engine = AsyncEngine(lambda: Engine.from_options(**options), on_output=metrics.on_output)
+    async_engine = AsyncEngine(lambda: Engine.from_options(**options), on_output=lambda out: metrics_ready[0]
+                               .on_output(out))
     engine = async_engine.engine
     model_name = served_model_name or options.get("model") or engine.model_path.stem
+    if not metrics_ready:
+        metrics_ready.append(ServerMetrics(metrics_prefix, model_name))
+    metrics = metrics_ready[0]
     limits = limits or ServerLimits()
     ctx = ServerContext(async_engine, model_name, max_queue, metrics,
                         api_keys=api_keys, guard_metrics=guard_metrics,
                         salt_per_key=salt_per_key, limits=limits)
 
     app = build_app(ctx, **({"max_body_bytes": max_body_bytes} if max_body_bytes else {}))
-    config = uvicorn_config(app, host, port, limits, uvicorn_log_level)
+    config = uvicorn_config(app, host, port, limits, uvicorn_log_level, root_path)
     server = _Server(config, async_engine)
     log.info(startup_line(engine, f"http://{host}:{port}", model_name))
     try:
