@@ -133,3 +133,27 @@ def test_tokenize_returns_token_strings(server, smollm_fp32):
     assert body["tokens"] == tok.encode(PROMPT)
     assert body["token_strs"] == tok.hf.convert_ids_to_tokens(body["tokens"])
     assert "token_strs" not in httpx.post(server.url + "/tokenize", json={"prompt": PROMPT}).json()
+
+
+def test_use_beam_search_returns_the_engines_beams(client, smollm_fp32, server):
+    from pagedllm import BeamSearchParams
+
+    expected = smollm_fp32.beam_search([PROMPT], BeamSearchParams(beam_width=3, max_tokens=5))[0].sequences
+    prompt_len = len(smollm_fp32.get_tokenizer().encode(PROMPT))
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, n=3,
+                                  extra_body={"use_beam_search": True, "return_token_ids": True})
+    assert [c.token_ids for c in r.choices] == [s.tokens[prompt_len:] for s in expected]
+    assert [c.text for c in r.choices] == [s.text for s in expected]
+    chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, n=2,
+                                          extra_body={"use_beam_search": True})
+    chat_ids = smollm_fp32.get_tokenizer().apply_chat_template(MESSAGES)
+    beams = smollm_fp32.beam_search([{"prompt_token_ids": chat_ids}], BeamSearchParams(beam_width=2, max_tokens=4))
+    assert [c.message.content for c in chat.choices] == [s.text for s in beams[0].sequences]
+    assert chat.usage.completion_tokens == sum(len(s.tokens) - len(chat_ids) for s in beams[0].sequences)
+    for field, value in (("temperature", 0.8), ("top_p", 0.5), ("logprobs", 2)):
+        body = httpx.post(server.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 3, "n": 2,
+                                                                 "use_beam_search": True, field: value}).json()
+        assert body["error"]["param"] == field and "beam search" in body["error"]["message"]
+    body = httpx.post(server.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 3, "n": 11,
+                                                             "use_beam_search": True}).json()
+    assert body["error"]["param"] == "n"

@@ -160,7 +160,8 @@ class AsyncEngine:
     async def add_request(self, request_id: str, prompt, params: SamplingParams) -> RequestStream:
         """Validate and queue a request (its error, e.g. ``InvalidRequest``, is raised here) and
         return the stream of its delta outputs."""
-        params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
+        if isinstance(params, SamplingParams):  # a beam search (BeamSearchParams) has one, final, output
+            params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
         stream = RequestStream(self, request_id, asyncio.get_running_loop())
         added = self.call(lambda: self._add(request_id, prompt, params, stream))
         try:

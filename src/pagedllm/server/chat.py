@@ -65,7 +65,10 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
                           "context_length_exceeded")
     if max_tokens is None:  # --default-chat-max-tokens, else the rest of the context
         max_tokens = ctx.limits.default_chat_max_tokens
-    params = req.sampling_params(max_tokens, top if req.logprobs else None, prompt_logprobs=req.prompt_logprobs)
+    if req.use_beam_search:
+        params = req.beam_search_params(max_tokens)
+    else:
+        params = req.sampling_params(max_tokens, top if req.logprobs else None, prompt_logprobs=req.prompt_logprobs)
     request_id = new_id("chatcmpl")
     prompt = {"prompt_token_ids": prompt_ids, **_salt(ctx, req, raw)}
     outputs = merge(await add_prompts(ctx, [prompt], params, request_id, req.constraint_field), req.constraint_field)

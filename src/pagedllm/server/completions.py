@@ -94,7 +94,10 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Req
     want_logprobs = req.logprobs is not None
     # the prompt's logprobs: for an echo with logprobs, and vLLM's prompt_logprobs (the larger count)
     wanted = [k for k in (req.logprobs if req.echo and want_logprobs else None, req.prompt_logprobs) if k is not None]
-    params = req.sampling_params(req.max_tokens, req.logprobs, prompt_logprobs=max(wanted) if wanted else None)
+    if req.use_beam_search:
+        params = req.beam_search_params(req.max_tokens)
+    else:
+        params = req.sampling_params(req.max_tokens, req.logprobs, prompt_logprobs=max(wanted) if wanted else None)
     request_id = new_id("cmpl")
     field = req.constraint_field
     limit = ctx.engine.engine.config.scheduler.max_model_len

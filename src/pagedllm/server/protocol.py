@@ -22,6 +22,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
+from pagedllm.engine.beam_search import BeamSearchParams
 from pagedllm.engine.sampling_params import (
     MAX_LOGPROBS,
     REPETITION_MAX,
@@ -137,6 +138,8 @@ class SamplingFields(_Request):
     # vLLM's extensions (docs/api.md): token ids in the answer, the prompt's logprobs, a prompt cut
     # to its last tokens
     return_token_ids: bool = False
+    use_beam_search: bool = False  # n beams (n <= 10), the best n returned
+    length_penalty: float = 1.0    # beam search: a beam's score is its logprob / length ** length_penalty
     prompt_logprobs: Int(ge=0, le=MAX_LOGPROBS) | None = None
     truncate_prompt_tokens: Int(ge=1) | Literal[-1] | None = None  # -1: max_model_len
     user: str | None = no_op("OpenAI's end-user id for abuse monitoring; this server monitors no users")
@@ -178,6 +181,22 @@ class SamplingFields(_Request):
                               logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                               structured_outputs=self.constraint(), **optional)
 
+    def beam_search_params(self, max_tokens: int | None) -> BeamSearchParams:
+        """``use_beam_search``: the engine's ``BeamSearchParams`` (``n`` beams). A field beam search
+        does not use is a 400 naming it (it would be ignored: ``BEAM_SEARCH_UNUSED``)."""
+        given = {name: getattr(self, name) for name in BEAM_SEARCH_UNUSED if name in self.model_fields_set}
+        used = [name for name, value in given.items() if value not in (None, False, 0, 0.0, [], {}, "")]
+        if self.temperature not in (None, 0.0):
+            used.insert(0, "temperature")
+        if used:
+            raise ValueError(f"{used[0]}: beam search (use_beam_search) does not use it; leave it out")
+        if not 1 <= self.n <= MAX_BEAMS:
+            raise ValueError(f"n must be 1..{MAX_BEAMS} with use_beam_search (the beam width), got {self.n}")
+        if max_tokens is None:
+            raise ValueError("max_tokens is needed with use_beam_search")
+        return BeamSearchParams(beam_width=self.n, max_tokens=max_tokens, ignore_eos=self.ignore_eos,
+                                length_penalty=self.length_penalty)
+
     def constraint(self) -> StructuredOutputsParams | None:
         """``response_format`` or vLLM's ``structured_outputs`` (not both) as the engine's constraint."""
         if self.structured_outputs is not None:
@@ -200,6 +219,12 @@ class SamplingFields(_Request):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
+MAX_BEAMS = 10  # BeamSearchParams' widest beam
+# what beam search takes no account of: given with use_beam_search, each is a 400 naming it
+BEAM_SEARCH_UNUSED = ("top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "presence_penalty",
+                      "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "response_format",
+                      "structured_outputs", "logprobs", "top_logprobs", "prompt_logprobs", "echo",
+                      "include_stop_str_in_output")
 PositiveInt = Int(ge=1)
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 

@@ -184,7 +184,7 @@ async def compile_constraint(ctx: ServerContext, params: SamplingParams, field: 
     """Compile a structured-output constraint on a worker thread (within the engine's time limit),
     so the engine thread finds it compiled and never stalls the batch on it; a bad schema, regex or
     grammar is a 400 naming ``field`` (``response_format`` or ``structured_outputs``)."""
-    if params.structured_outputs is None:
+    if getattr(params, "structured_outputs", None) is None:  # BeamSearchParams have none
         return
     try:
         await asyncio.to_thread(ctx.engine.engine.structured.compile, params.structured_outputs)
@@ -203,7 +203,8 @@ async def add_prompts(ctx: ServerContext, prompts: list, params: SamplingParams,
     starts). Each stream gives its ``n`` sequences back to the admission count when it ends.
     ``truncate`` cuts each tokenized prompt (``truncate_prompt_tokens``); a cut text prompt is then
     its token ids only, so an echo gives back what the model saw."""
-    admission = ctx.admit(len(prompts) * params.n)
+    width = params.n if isinstance(params, SamplingParams) else params.beam_width  # BeamSearchParams: beams
+    admission = ctx.admit(len(prompts) * width)
     streams: list[RequestStream] = []
     try:
         prompts = [await _tokenized(ctx, p) for p in prompts]
@@ -212,7 +213,7 @@ async def add_prompts(ctx: ServerContext, prompts: list, params: SamplingParams,
         await compile_constraint(ctx, params, constraint_field)
         for i, p in enumerate(prompts):
             stream = await ctx.engine.add_request(f"{request_id}-{i}", p, params)
-            stream.on_done(lambda: admission.release(params.n))
+            stream.on_done(lambda: admission.release(width))
             streams.append(stream)
     except BaseException:
         for stream in streams:
