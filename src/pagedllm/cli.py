@@ -195,7 +195,8 @@ def cmd_serve(args) -> int:
                  served_model_name=args.served_model_name, max_queue=args.max_queue,
                  max_body_bytes=args.max_body_bytes, uvicorn_log_level=args.uvicorn_log_level, limits=limits,
                  guard_metrics=args.guard_metrics, salt_per_key=args.cache_salt_per_key,
-                 metrics_prefix=args.metrics_prefix, root_path=args.root_path)
+                 metrics_prefix=args.metrics_prefix, root_path=args.root_path,
+                 tool_call_parser=args.tool_call_parser, chat_template=args.chat_template)
 
 
 def cmd_bench(args) -> int:
@@ -283,6 +284,11 @@ def make_parser() -> argparse.ArgumentParser:
     srv.add_argument("--metrics-prefix", default="pagedllm", choices=["pagedllm", "vllm"],
                      help="name the /metrics series pagedllm:* (default) or vllm:* with vLLM's model_name label, "
                           "for dashboards built for vLLM")
+    srv.add_argument("--tool-call-parser", default="hermes", choices=["hermes", "json"],
+                     help="how tool_choice 'auto' finds calls in the output: <tool_call> blocks (hermes, as Qwen2.5 "
+                          "writes them) or a whole-output JSON call (json)")
+    srv.add_argument("--chat-template", default=None,
+                     help="a Jinja chat template (a file, or the template itself) in place of the model's")
     srv.add_argument("--root-path", default="",
                      help="the path prefix a proxy serves this server under (e.g. /llm), as vLLM's --root-path")
     add_option_args(srv)

@@ -28,6 +28,8 @@ CROSS_FIELD_MESSAGES = re.compile("|".join([
     r"^continue_final_message: cannot be true together with add_generation_prompt",
     r"^[a-z_]+: beam search \(use_beam_search\) does not use it",       # fields beam search would ignore
     r"with use_beam_search",                                           # n <= 10 beams, max_tokens given
+    r"^tool_choice: ",                       # needs tools; a named function among them; no response_format beside
+    r"tool_calls: arguments must be a JSON object",                    # a history call's arguments
     # transformers' template: a last message with no text to continue, or not found in the render
     r"^continue_final_message is set but (we could not find any text|the final message)",
 ]))

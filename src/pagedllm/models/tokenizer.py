@@ -89,11 +89,12 @@ class Tokenizer:
         return [self.hf.decode([t], skip_special_tokens=False) for t in token_ids]
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            continue_final_message: bool = False) -> list[int]:
+                            continue_final_message: bool = False, tools: list[dict] | None = None) -> list[int]:
         """The conversation through the template; ``continue_final_message``: the last message
-        left open (no end-of-turn), for the model to go on with it (not with a generation prompt)."""
+        left open (no end-of-turn), for the model to go on with it (not with a generation prompt);
+        ``tools``: for a template that renders them (``server/tools.py``)."""
         if not getattr(self.hf, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template; use generate() with plain text")
         text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                           continue_final_message=continue_final_message)
+                                           continue_final_message=continue_final_message, tools=tools)
         return self.encode(text, add_special_tokens=False)

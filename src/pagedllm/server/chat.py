@@ -5,6 +5,7 @@ rides on the last one. ``logprobs`` + ``top_logprobs`` give OpenAI's per-token `
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator
 
 from fastapi import Request
@@ -24,15 +25,21 @@ from pagedllm.server.serving import (
     sse,
     unless_disconnected,
 )
+from pagedllm.server.tools import ToolPlan, ToolStream
 
 
-async def chat_prompt_ids(ctx: ServerContext, req: ChatCompletionRequest) -> list[int]:
-    """The conversation through the chat template, as token ids (400 if the model has none), sized
-    and rendered off the event loop (``ServerContext.apply_chat_template``)."""
+async def chat_prompt_ids(ctx: ServerContext, req: ChatCompletionRequest, plan: ToolPlan | None = None) -> list[int]:
+    """The conversation through the chat template (with the tools, ``server/tools.py``), as token
+    ids (400 if the model has none), sized and rendered off the event loop
+    (``ServerContext.apply_chat_template``)."""
     if ctx.tokenizer is None:
         raise OpenAIError(400, "this model has no tokenizer, so no chat template; use /v1/completions", "messages")
     try:
-        return await ctx.apply_chat_template(req.conversation(), **req.template_kwargs())
+        messages, kwargs = req.conversation(), req.template_kwargs()
+        if plan is not None:
+            messages, tools = plan.render(ctx.tokenizer, messages)
+            kwargs |= tools
+        return await ctx.apply_chat_template(messages, **kwargs)
     except ValueError as exc:
         raise OpenAIError(400, str(exc), "messages") from None
 
@@ -57,7 +64,8 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     ctx.check_model(req.model)
     ctx.check_costs(req)
     limit = ctx.engine.engine.config.scheduler.max_model_len
-    prompt_ids = req.truncated(await chat_prompt_ids(ctx, req), limit)
+    plan = ToolPlan.of(req, ctx.tool_call_parser)  # a bad tool_choice: InvalidRequest, a 400
+    prompt_ids = req.truncated(await chat_prompt_ids(ctx, req, plan), limit)
     top = req.top_logprobs or 0
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if req.max_tokens is not None and req.max_tokens >= limit:  # checked even when max_completion_tokens rules
@@ -69,14 +77,16 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
         params = req.beam_search_params(max_tokens)
     else:
         params = req.sampling_params(max_tokens, top if req.logprobs else None, prompt_logprobs=req.prompt_logprobs)
+        if plan is not None and plan.constraint() is not None:  # tool_choice required or named: the calls are made
+            params = dataclasses.replace(params, structured_outputs=plan.constraint())
     request_id = new_id("chatcmpl")
     prompt = {"prompt_token_ids": prompt_ids, **_salt(ctx, req, raw)}
     outputs = merge(await add_prompts(ctx, [prompt], params, request_id, req.constraint_field), req.constraint_field)
     head = {"id": request_id, "object": "chat.completion", "created": ctx.created, "model": ctx.model_name}
     if req.stream:
-        return StreamingResponse(_stream(req, outputs, {**head, "object": "chat.completion.chunk"}, top),
+        return StreamingResponse(_stream(req, outputs, {**head, "object": "chat.completion.chunk"}, top, plan),
                                  media_type="text/event-stream")
-    return await unless_disconnected(raw, _collect(req, outputs, head, top))
+    return await unless_disconnected(raw, _collect(req, outputs, head, top, plan))
 
 
 def _salt(ctx: ServerContext, req: ChatCompletionRequest, raw: Request) -> dict:
@@ -94,7 +104,17 @@ def _prompt_extras(req: ChatCompletionRequest, out) -> dict:
     return extras
 
 
-async def _collect(req: ChatCompletionRequest, outputs, head: dict, top: int) -> dict:
+def _message(text: str, plan: ToolPlan | None, reason: str | None) -> tuple[dict, str | None]:
+    """The assistant message of a finished choice (its tool calls split out) and its finish reason."""
+    if plan is None:
+        return {"role": "assistant", "content": text}, reason
+    content, calls = plan.split(text)
+    if not calls:
+        return {"role": "assistant", "content": text}, reason
+    return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls" if reason == "stop" else reason
+
+
+async def _collect(req: ChatCompletionRequest, outputs, head: dict, top: int, plan: ToolPlan | None) -> dict:
     texts: dict[int, str] = {}
     token_ids: dict[int, list[int]] = {}
     logprobs: dict[int, list] = {}
@@ -117,16 +137,19 @@ async def _collect(req: ChatCompletionRequest, outputs, head: dict, top: int) ->
     choices = []
     for k in sorted(texts):
         reason, stop_reason = finish.get(k, (None, None))
-        choices.append({"index": k, "message": {"role": "assistant", "content": texts[k]},
+        message, reason = _message(texts[k], plan, reason)
+        choices.append({"index": k, "message": message,
                         "logprobs": {"content": logprobs.get(k, [])} if req.logprobs else None,
                         "finish_reason": reason, "stop_reason": stop_reason,
                         "token_ids": token_ids[k] if req.return_token_ids else None})
     return {**head, "choices": choices, "usage": usage.body(), **extras}
 
 
-async def _stream(req: ChatCompletionRequest, outputs, head: dict, top: int) -> AsyncIterator[str]:
+async def _stream(req: ChatCompletionRequest, outputs, head: dict, top: int,
+                  plan: ToolPlan | None) -> AsyncIterator[str]:
     usage = Usage()
     started: set[int] = set()
+    tool_streams: dict[int, ToolStream] = {}
     first = True
     try:
         async for _, out in outputs:
@@ -140,11 +163,22 @@ async def _stream(req: ChatCompletionRequest, outputs, head: dict, top: int) -> 
                                                     "delta": {"role": "assistant", "content": req.echoed()},
                                                     "logprobs": None, "finish_reason": None}], **extras})
                     extras = {}
-                if not c.text and c.finish_reason is None and not c.token_ids:
+                text, calls, reason = c.text, [], c.finish_reason
+                if plan is not None:  # content as it comes, until a call may start; calls at the end
+                    split = tool_streams.setdefault(c.index, ToolStream(plan))
+                    text = split.feed(c.text)
+                    if c.finish_reason is not None:
+                        rest, calls = split.finish()
+                        text += rest
+                        reason = "tool_calls" if calls and reason == "stop" else reason
+                if not text and c.finish_reason is None and not c.token_ids:
                     continue
-                chunk = {"index": c.index, "delta": {"content": c.text} if c.text else {},
+                delta = {"content": text} if text else {}
+                if calls:
+                    delta["tool_calls"] = [{"index": j, **call} for j, call in enumerate(calls)]
+                chunk = {"index": c.index, "delta": delta,
                          "logprobs": {"content": chat_logprobs(c, top)} if req.logprobs else None,
-                         "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                         "finish_reason": reason, "stop_reason": c.stop_reason}
                 if req.return_token_ids:
                     chunk["token_ids"] = list(c.token_ids)
                 usage_now = {"usage": usage.body()} if req.continuous_usage else {}

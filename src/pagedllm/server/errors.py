@@ -57,7 +57,7 @@ class OpenAIError(Exception):
 _FIELDS = {f.name for f in dataclasses.fields(SamplingParams)} | {"prompt", "messages", "max_completion_tokens",
                                                                   "top_logprobs", "response_format", "stream_options",
                                                                   "continue_final_message", "n", "echo",
-                                                                  "structured_outputs"}
+                                                                  "structured_outputs", "tool_choice"}
 
 
 def _param_of(message: str) -> str | None:

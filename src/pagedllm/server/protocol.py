@@ -17,6 +17,7 @@ strictly (no booleans as integers, no numbers as strings, no NaN or Infinity). A
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
@@ -31,7 +32,7 @@ from pagedllm.engine.sampling_params import (
     SamplingParams,
     StructuredOutputsParams,
 )
-from pagedllm.errors import require_utf8
+from pagedllm.errors import InvalidRequest, require_utf8
 
 STRUCTURED_OUTPUTS_KEYS = frozenset(f.name for f in dataclasses.fields(StructuredOutputsParams))
 MAX_N = 128  # most choices per request, as OpenAI
@@ -253,10 +254,44 @@ class TextPart(_Request):
     text: str
 
 
+class FunctionCall(_Request):
+    name: str
+    arguments: str  # a JSON object as a string, as OpenAI sends it
+
+
+class ToolCall(_Request):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDefinition(_Request):
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None                # enforced whenever a call is (tool_choice required or named)
+
+
+class Tool(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatMessage(_Request):
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None           # a role "tool" message: the call it answers
 
     def text(self) -> str:
         """The message's text: a string, or its text parts joined."""
@@ -267,6 +302,9 @@ class ChatMessage(_Request):
 
 class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     max_tokens: PositiveInt | None = None
     max_completion_tokens: PositiveInt | None = None
     logprobs: bool = False
@@ -330,13 +368,34 @@ class DetokenizeRequest(_Request):
     tokens: list[TokenId]
 
 
-def conversation(messages: list[ChatMessage]) -> list[dict[str, str]]:
+def conversation(messages: list[ChatMessage]) -> list[dict]:
     """The messages as the chat template takes them; InvalidRequest naming a role or content that
-    is not valid UTF-8 (the tokenizer would raise a TypeError on it)."""
-    # a participant's ``name`` goes to the template too: templates that render it do, others skip it
-    out = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name is not None else {})}
-           for m in messages]
-    for i, message in enumerate(out):
-        for key, text in message.items():
+    is not valid UTF-8 (the tokenizer would raise a TypeError on it). A participant's ``name``, an
+    assistant's ``tool_calls`` (arguments parsed from their JSON text, as templates take them) and
+    a tool message's ``tool_call_id`` go to the template too: templates that render them do."""
+    out = []
+    for i, m in enumerate(messages):
+        message: dict = {"role": m.role, "content": m.text()}
+        if m.name is not None:
+            message["name"] = m.name
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        for key, text in list(message.items()):
             require_utf8(text, f"messages.{i}.{key}")
+        if m.tool_calls:
+            message["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": tool_arguments(c.function.arguments, f"messages.{i}")}}
+                for c in m.tool_calls]
+        out.append(message)
     return out
+
+
+def tool_arguments(text: str, where: str) -> dict:
+    """A tool call's ``arguments`` string as the JSON object it must be (InvalidRequest otherwise)."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise InvalidRequest(f"{where}.tool_calls: arguments must be a JSON object as a string, got {text[:80]!r}")
+    return value

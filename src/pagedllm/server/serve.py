@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from pathlib import Path
 
 import uvicorn
 
@@ -61,6 +62,15 @@ def uvicorn_config(app, host: str, port: int, limits: ServerLimits | None = None
                           timeout_graceful_shutdown=10, http=header_timeout_protocol(limits.header_timeout_s))
 
 
+def set_chat_template(engine: Engine, template: str) -> None:
+    """``--chat-template``: a Jinja file, or the template itself, in place of the model's own (as
+    vLLM's flag); before any request, so every render uses it."""
+    if engine.tokenizer is None:
+        raise SystemExit("--chat-template needs a model with a tokenizer")
+    path = Path(template)
+    engine.tokenizer.hf.chat_template = path.read_text() if path.is_file() else template
+
+
 def keys_from_env() -> tuple[str, ...]:
     """``$PAGEDLLM_API_KEY``: one key, or several separated by commas."""
     return tuple(k for k in os.environ.get("PAGEDLLM_API_KEY", "").split(",") if k)
@@ -70,7 +80,7 @@ def serve(options: dict, host: str = "127.0.0.1", port: int = 8000, api_keys: tu
           served_model_name: str | None = None, max_queue: int = 1024, max_body_bytes: int | None = None,
           uvicorn_log_level: str = "warning", limits: ServerLimits | None = None,
           guard_metrics: bool = False, salt_per_key: bool = False, metrics_prefix: str = "pagedllm",
-          root_path: str = "") -> int:
+          root_path: str = "", tool_call_parser: str = "hermes", chat_template: str | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     api_keys = tuple(api_keys) or keys_from_env()
     if salt_per_key and not api_keys:
@@ -89,9 +99,11 @@ def serve(options: dict, host: str = "127.0.0.1", port: int = 8000, api_keys: tu
         metrics_ready.append(ServerMetrics(metrics_prefix, model_name))
     metrics = metrics_ready[0]
     limits = limits or ServerLimits()
+    if chat_template is not None:
+        set_chat_template(engine, chat_template)
     ctx = ServerContext(async_engine, model_name, max_queue, metrics,
                         api_keys=api_keys, guard_metrics=guard_metrics,
-                        salt_per_key=salt_per_key, limits=limits)
+                        salt_per_key=salt_per_key, limits=limits, tool_call_parser=tool_call_parser)
 
     app = build_app(ctx, **({"max_body_bytes": max_body_bytes} if max_body_bytes else {}))
     config = uvicorn_config(app, host, port, limits, uvicorn_log_level, root_path)

@@ -53,6 +53,7 @@ class ServerContext:
     salt_per_key: bool = False  # --cache-salt-per-key: tenants never share prefix-cache blocks
     created: int = field(default_factory=lambda: int(time.time()))
     limits: ServerLimits = field(default_factory=ServerLimits)
+    tool_call_parser: str = "hermes"  # --tool-call-parser: how tool_choice "auto" finds calls (server/tools.py)
     admitted: int = 0  # sequences (prompts x n) admitted and not yet ended; see ``admit``
     _admit_lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
@@ -126,7 +127,7 @@ class ServerContext:
     async def apply_chat_template(self, messages: list[dict[str, str]], **kwargs) -> list[int]:
         """A conversation through the chat template, size-checked first, on a worker thread."""
         self.check_prompt_bytes(sum(len(m["content"].encode("utf-8")) + len(m["role"].encode("utf-8"))
-                                    for m in messages), "messages")
+                                    for m in messages) + len(json.dumps(kwargs.get("tools") or [])), "messages")
         return await asyncio.to_thread(self.tokenizer.apply_chat_template, messages, **kwargs)
 
     @property
