@@ -31,6 +31,7 @@ from pagedllm.server.protocol import (
     TokenizeRequest,
     conversation,
 )
+from pagedllm.server.responses import ResponsesRequest, ResponseStore, create_response
 from pagedllm.server.serving import TENANT, ClientDisconnected, ServerContext
 
 DEFAULT_MAX_BODY_BYTES = 8 * 2**20
@@ -184,6 +185,15 @@ def build_app(ctx: ServerContext, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) 
     def model_card() -> dict:
         return {"id": ctx.model_name, "object": "model", "created": ctx.created, "owned_by": "pagedllm",
                 "max_model_len": ctx.engine.engine.config.scheduler.max_model_len}
+
+    responses_store = ResponseStore()
+
+    @app.post("/v1/responses")
+    async def responses(req: ResponsesRequest, raw: Request):
+        try:
+            return await create_response(ctx, req, raw, responses_store)
+        except ClientDisconnected:
+            return Response(status_code=499)
 
     @app.get("/v1/models")
     async def models():

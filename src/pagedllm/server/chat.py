@@ -61,6 +61,16 @@ def chat_logprobs(c: CompletionOutput, top: int) -> list[dict]:
 
 
 async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest, raw: Request):
+    outputs, head, top, plan = await start_chat(ctx, req, raw)
+    if req.stream:
+        return StreamingResponse(_stream(req, outputs, {**head, "object": "chat.completion.chunk"}, top, plan),
+                                 media_type="text/event-stream")
+    return await unless_disconnected(raw, collect_chat(req, outputs, head, top, plan))
+
+
+async def start_chat(ctx: ServerContext, req: ChatCompletionRequest, raw: Request, request_id: str | None = None):
+    """Validate, render and queue a chat request: (its merged outputs, the response head, the
+    top-logprobs count, its ``ToolPlan`` or None). Shared with ``/v1/responses``."""
     ctx.check_model(req.model)
     ctx.check_costs(req)
     limit = ctx.engine.engine.config.scheduler.max_model_len
@@ -79,14 +89,11 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
         params = req.sampling_params(max_tokens, top if req.logprobs else None, prompt_logprobs=req.prompt_logprobs)
         if plan is not None and plan.constraint() is not None:  # tool_choice required or named: the calls are made
             params = dataclasses.replace(params, structured_outputs=plan.constraint())
-    request_id = new_id("chatcmpl")
+    request_id = request_id or new_id("chatcmpl")
     prompt = {"prompt_token_ids": prompt_ids, **_salt(ctx, req, raw)}
     outputs = merge(await add_prompts(ctx, [prompt], params, request_id, req.constraint_field), req.constraint_field)
     head = {"id": request_id, "object": "chat.completion", "created": ctx.created, "model": ctx.model_name}
-    if req.stream:
-        return StreamingResponse(_stream(req, outputs, {**head, "object": "chat.completion.chunk"}, top, plan),
-                                 media_type="text/event-stream")
-    return await unless_disconnected(raw, _collect(req, outputs, head, top, plan))
+    return outputs, head, top, plan
 
 
 def _salt(ctx: ServerContext, req: ChatCompletionRequest, raw: Request) -> dict:
@@ -114,7 +121,8 @@ def _message(text: str, plan: ToolPlan | None, reason: str | None) -> tuple[dict
     return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls" if reason == "stop" else reason
 
 
-async def _collect(req: ChatCompletionRequest, outputs, head: dict, top: int, plan: ToolPlan | None) -> dict:
+async def collect_chat(req: ChatCompletionRequest, outputs, head: dict, top: int, plan: ToolPlan | None) -> dict:
+    """The whole chat completion body, once every choice has finished (shared with /v1/responses)."""
     texts: dict[int, str] = {}
     token_ids: dict[int, list[int]] = {}
     logprobs: dict[int, list] = {}

@@ -20,10 +20,12 @@ from pagedllm.server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from pagedllm.server.responses import ResponsesRequest
 
 ROUTES: dict[str, type[BaseModel]] = {
     "POST /v1/completions": CompletionRequest,
     "POST /v1/chat/completions": ChatCompletionRequest,
+    "POST /v1/responses": ResponsesRequest,
     "POST /tokenize": TokenizeRequest,
     "POST /detokenize": DetokenizeRequest,
 }

@@ -71,7 +71,7 @@ def _route_errors(path: str, method: str, guarded: bool) -> tuple[int, ...]:
         codes += [400, 404, 408, 413]  # every body has a ``model`` field
     if guarded:
         codes.append(401)
-    if path in ("/v1/completions", "/v1/chat/completions"):
+    if path in ("/v1/completions", "/v1/chat/completions", "/v1/responses"):
         codes += [429, 503]
     if path.startswith("/v1/models/"):  # GET /v1/models/{id}: another model's id, or one not UTF-8
         codes += [400, 404]
@@ -175,7 +175,7 @@ def install_openapi(app: FastAPI, ctx: ServerContext, guarded_prefixes: tuple[st
                 responses.pop("422", None)
                 responses.update(_errors(_route_errors(path, method, guarded)))
                 ok = responses["200"]
-                if path in ("/v1/completions", "/v1/chat/completions"):
+                if path in ("/v1/completions", "/v1/chat/completions", "/v1/responses"):
                     # OpenAPI 3.1: the schema of a text/event-stream describes each event
                     ok["content"]["text/event-stream"] = {"schema": {
                         "type": "object", "properties": {"data": {"type": "string"}}, "required": ["data"]}}
