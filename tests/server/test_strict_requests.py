@@ -123,6 +123,8 @@ def test_root_path_serves_both_paths_and_keeps_the_key_guard(proxied):
         assert [m.id for m in good.models.list().data] == ["tiny"]
         assert good.completions.create(model="tiny", prompt="Hi", max_tokens=2).usage.completion_tokens == 2
     assert httpx.post(proxied.url + "/llm/tokenize", json={"prompt": "Hi"}).status_code == 401  # guarded too
+    for path in ("/invocations", "/llm/invocations"):  # it generates: guarded here (vLLM leaves it open)
+        assert httpx.post(proxied.url + path, json={"prompt": "Hi", "max_tokens": 1}).status_code == 401
     assert httpx.get(proxied.url + "/openapi.json").json()["servers"] == [{"url": "/llm"}]
 
 
@@ -143,3 +145,18 @@ def test_tokenizer_info_describes_the_served_tokenizer(server, smollm_fp32):
     hf = smollm_fp32.get_tokenizer().hf
     assert info["tokenizer_class"] == type(hf).__name__ and info["chat_template"] == hf.chat_template
     assert info["vocab_size"] == len(hf) and info["eos_token"] == hf.eos_token
+
+
+def test_invocations_route_a_chat_or_a_completion_body(server, client):
+    """SageMaker's ``/invocations`` (as vLLM serves it) answers a body as its own route would."""
+    chat = {"model": MODEL, "messages": MESSAGES, "max_tokens": 5, "temperature": 0}
+    completion = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 5, "temperature": 0}
+    for body, route in ((chat, "/v1/chat/completions"), (completion, "/v1/completions")):
+        via, direct = (httpx.post(server.url + path, json=body, timeout=60).json()
+                       for path in ("/invocations", route))
+        assert via["object"] == direct["object"] and via["choices"][0].get("text") == direct["choices"][0].get("text")
+        assert via["choices"][0].get("message") == direct["choices"][0].get("message")
+    for body, param in (({"neither": 1}, None), ({**completion, "tools": []}, "tools"), ({**chat, "n": 0}, "n")):
+        r = httpx.post(server.url + "/invocations", json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert httpx.get(server.url + "/load").json() == {"server_load": 0}  # idle: nothing admitted

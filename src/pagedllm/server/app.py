@@ -14,7 +14,9 @@ import hashlib
 import hmac
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
 
 import pagedllm
 from pagedllm.errors import InvalidRequest
@@ -85,7 +87,8 @@ class _Body:
 
 # What ``--api-key`` guards: the OpenAI routes, the tokenizer routes and the dashboard's data (the
 # page and its assets hold none, so a browser can load them and send the key from ``#key=``).
-GUARDED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/tokenizer_info", "/dashboard/state")
+GUARDED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/tokenizer_info", "/invocations", "/load",
+                    "/dashboard/state")
 
 
 def route_path(scope) -> str:
@@ -194,6 +197,32 @@ def build_app(ctx: ServerContext, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) 
             return await create_response(ctx, req, raw, responses_store)
         except ClientDisconnected:
             return Response(status_code=499)
+
+    # not in /openapi.json: its body is either route's, a union schemathesis cannot generate; the
+    # answers are theirs (tests/server/test_strict_requests.py checks the route)
+    @app.post("/invocations", include_in_schema=False)
+    async def invocations(raw: Request):
+        """SageMaker's route, as vLLM serves it: a chat body (``messages``) or a completion one
+        (``prompt``), answered as that route answers it; anything else is a 400."""
+        try:
+            body = await raw.json()
+        except ValueError:
+            raise OpenAIError(400, "the body is not valid JSON") from None
+        kind = (ChatCompletionRequest if isinstance(body, dict) and "messages" in body
+                else CompletionRequest if isinstance(body, dict) and "prompt" in body else None)
+        if kind is None:
+            raise OpenAIError(400, "invocations: give a chat body (messages) or a completion body (prompt)")
+        try:
+            req = kind.model_validate(body)
+        except ValidationError as exc:
+            raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]) from None
+        handler = chat_completions if kind is ChatCompletionRequest else completions
+        return await handler(req, raw)
+
+    @app.get("/load")
+    async def load():
+        """vLLM's ``/load``: how many sequences (prompts x n) the server holds now, running or queued."""
+        return {"server_load": ctx.admitted}
 
     @app.get("/v1/models")
     async def models():
