@@ -314,7 +314,9 @@ FIELDS = ["prompt", "max_tokens", "temperature", "top_p", "top_k", "min_p", "n",
           "logprobs", "echo", "logit_bias", "stream", "min_tokens", "model", "presence_penalty", "frequency_penalty",
           "repetition_penalty", "cache_salt", "ignore_eos", "skip_special_tokens", "response_format",
           "structured_outputs", "messages", "max_completion_tokens", "top_logprobs", "user", "metadata", "store",
-          "stream_options", "not_a_field"]
+          "stream_options", "not_a_field", "tools", "tool_choice", "parallel_tool_calls", "return_token_ids",
+          "prompt_logprobs", "use_beam_search", "length_penalty", "truncate_prompt_tokens", "continue_final_message",
+          "add_generation_prompt"]
 
 
 GENERATED_EXAMPLES = int(os.environ.get("PAGEDLLM_HOSTILE_EXAMPLES", "60"))  # 400 for a longer run (design.md)
@@ -330,6 +332,25 @@ def test_generated_hostile_fields_fail_alone(hostile, route, fields):
     base = dict(NORMAL) if route == "/v1/completions" else dict(CHAT)
     body = json.dumps({**base, **fields, "max_tokens": fields.get("max_tokens", 2)}, allow_nan=True)
     bad, good = beside_a_normal_request(url, route, body)
+    assert bad.status_code < 500, bad.text
+    if bad.status_code >= 400:
+        assert_openai_error(bad, bad.status_code)
+    assert good.status_code == 200 and good.json()["choices"][0]["text"] == expected
+    assert httpx.get(url + "/health").status_code == 200
+
+
+RESPONSES_FIELDS = ["input", "instructions", "max_output_tokens", "temperature", "top_p", "text", "tools",
+                    "tool_choice", "parallel_tool_calls", "store", "previous_response_id", "metadata", "stream", "seed"]
+
+
+@settings(max_examples=GENERATED_EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(fields=st.dictionaries(st.sampled_from(RESPONSES_FIELDS), hostile_values, min_size=1, max_size=3))
+def test_generated_hostile_responses_fields_fail_alone(hostile, fields):
+    """/v1/responses with any field hostile: a 200 or an OpenAI-shaped 4xx, never a 5xx, and a
+    normal request beside it completes with the expected text."""
+    url, ctx, expected = hostile
+    body = json.dumps({"input": "Hi", "max_output_tokens": 2, **fields}, allow_nan=True)
+    bad, good = beside_a_normal_request(url, "/v1/responses", body)
     assert bad.status_code < 500, bad.text
     if bad.status_code >= 400:
         assert_openai_error(bad, bad.status_code)
