@@ -180,3 +180,40 @@ def test_echoed_prompt_logprobs_line_up_with_the_echoed_text(client, smollm_fp32
 def choice_of(r):
     (choice,) = r.choices
     return choice
+
+
+# sampling fields reach the engine as the same SamplingParams fields: greedy text equal to
+# LLM.generate's with them; each set changes this prompt's greedy text (" Paris.\n\nThe answer is:"
+# without them), so a field the server dropped would show
+SAMPLING_FIELDS = [
+    {"presence_penalty": 1.5}, {"frequency_penalty": 1.5}, {"repetition_penalty": 1.8},
+    {"stop_token_ids": [198]},                     # "\n": stops after " Paris."
+    {"stop_token_ids": [198], "min_tokens": 4},    # not before 4 tokens
+]
+
+
+@pytest.mark.parametrize("fields", SAMPLING_FIELDS, ids=lambda f: "+".join(f))
+def test_sampling_fields_reach_the_engine(client, smollm_fp32, fields):
+    plain = greedy(smollm_fp32, PROMPT, max_tokens=8).outputs[0]
+    expected = greedy(smollm_fp32, PROMPT, max_tokens=8, **fields).outputs[0]
+    assert (expected.text, expected.finish_reason) != (plain.text, plain.finish_reason)  # the fields matter here
+    got = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0,
+                                    extra_body=fields).choices[0]
+    assert got.text == expected.text and got.finish_reason == expected.finish_reason
+    # the chat route too, with a participant name and text parts (they reach the template)
+    ids = smollm_fp32.get_tokenizer().apply_chat_template([{"role": "user", "content": PROMPT, "name": "ann"}])
+    chat_expected = greedy(smollm_fp32, {"prompt_token_ids": ids}, max_tokens=8, **fields).outputs[0]
+    chat = client.chat.completions.create(model=MODEL, max_tokens=8, temperature=0, extra_body=fields,
+                                          messages=[{"role": "user", "name": "ann",
+                                                     "content": [{"type": "text", "text": PROMPT}]}])
+    assert chat.choices[0].message.content == chat_expected.text
+
+
+def test_stop_strings_stay_in_the_text_with_include_stop_str_in_output(client, smollm_fp32):
+    full = greedy(smollm_fp32, PROMPT, max_tokens=8).outputs[0].text
+    stop = full.strip().split(" ")[0]
+    for include in (False, True):
+        expected = greedy(smollm_fp32, PROMPT, max_tokens=8, stop=[stop], include_stop_str_in_output=include)
+        got = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, stop=[stop],
+                                        extra_body={"include_stop_str_in_output": include}).choices[0]
+        assert got.text == expected.outputs[0].text and got.text.endswith(stop) == include
