@@ -54,29 +54,30 @@ class InputText(_Request):
     annotations: list[Any] | None = None  # an earlier output's, sent back: none are made here
 
 
-class MessageItem(_Request):
-    type: Literal["message"] = "message"
-    role: Literal["user", "assistant", "system", "developer"]
-    content: str | list[InputText]
+class _InputItem(_Request):
+    """What every input item may carry back from an earlier response's output (unused here)."""
+
     id: str | None = None
     status: str | None = None
 
 
-class FunctionCallItem(_Request):
+class MessageItem(_InputItem):
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: str | list[InputText]
+
+
+class FunctionCallItem(_InputItem):
     type: Literal["function_call"]
     call_id: str
     name: str
     arguments: str
-    id: str | None = None
-    status: str | None = None
 
 
-class FunctionCallOutputItem(_Request):
+class FunctionCallOutputItem(_InputItem):
     type: Literal["function_call_output"]
     call_id: str
     output: str
-    id: str | None = None
-    status: str | None = None
 
 
 class FunctionTool(_Request):
