@@ -161,3 +161,42 @@ def test_out_of_pool_indices_raise_instead_of_touching_memory(backend):
     with pytest.raises(RuntimeError, match="RoPE table"):
         backend.ops.rope_store_attend(qkv, table, table, torch.tensor([16]), k_cache, v_cache, torch.tensor([0]),
                                       qsl, torch.tensor([1]), torch.tensor([[0]]), 0.125, 1)
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_heads,num_kv_heads,new_tokens", [(9, 3, 1), (4, 2, 1), (3, 3, 3)])
+def test_few_row_tiles_in_a_batch_equal_each_alone_and_dense(monkeypatch, head_dim, dtype, num_heads, num_kv_heads,
+                                                             new_tokens):
+    """Few-row tiles (1-3 rows per kv head: a decode token, or a 2-3 token chunk with one query
+    head per kv head) take the ISA's few-row block step (decode_tile), one work item per (tile, kv
+    head), over per-thread scratch reused from item to item: twelve such tiles in one call equal
+    dense attention within the dtype's tolerance, and each sequence's output is bit-equal to a
+    call on it alone (the same block step, the same order; no state left from the item before)."""
+    import tests.unit.test_reference_attention as tra
+
+    monkeypatch.setattr(tra, "HEAD_DIM", head_dim)
+    contexts = [1, 2, B - 1, B, B + 1, 2 * B + 3, 83, 300, 5, 47, 64, 129]
+    run_and_compare([(max(ctx, new_tokens), new_tokens) for ctx in contexts], num_heads=num_heads,
+                    num_kv_heads=num_kv_heads, dtype=dtype, backend=CpuBackend(head_dim ** -0.5, load_cpu_kernel()))
+    ops = load_cpu_kernel()
+    generator = torch.Generator().manual_seed(0)
+    per_seq = [(max(ctx, new_tokens) + B - 1) // B for ctx in contexts]
+    pool = sum(per_seq) + 3
+    k_cache, v_cache = (torch.randn(pool, B, num_kv_heads, head_dim, generator=generator).to(dtype) for _ in range(2))
+    order = torch.randperm(pool, generator=generator).tolist()
+    tables = torch.zeros(len(contexts), max(per_seq), dtype=torch.long)
+    at = 0
+    for s, n in enumerate(per_seq):
+        tables[s, :n] = torch.tensor(order[at:at + n])
+        at += n
+    lens = torch.tensor([max(ctx, new_tokens) for ctx in contexts])
+    starts = torch.arange(len(contexts) + 1) * new_tokens
+    query = torch.randn(len(contexts) * new_tokens, num_heads, head_dim, generator=generator).to(dtype)
+    scale = head_dim ** -0.5
+    together = ops.paged_attention(query, k_cache, v_cache, starts, lens, tables, scale)
+    for s in range(len(contexts)):
+        rows = slice(s * new_tokens, (s + 1) * new_tokens)
+        alone = ops.paged_attention(query[rows].contiguous(), k_cache, v_cache, torch.tensor([0, new_tokens]),
+                                    lens[s:s + 1], tables[s:s + 1].contiguous(), scale)
+        assert torch.equal(alone, together[rows]), f"sequence {s} (context {contexts[s]})"

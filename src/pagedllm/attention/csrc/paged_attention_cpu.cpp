@@ -14,13 +14,15 @@
 // acc += P V (a few rows x the whole head dim per micro-tile); their sequences' blocks are
 // converted to float32 (K transposed) once per call, before the tiles, not once per tile. Tiles of
 // few rows (decode: G rows) take one dot product per (row, key), where transposing the block
-// would cost more than it saves.
+// would cost more than it saves; on AVX2 and AVX-512, those of 1-3 rows per kv head (decode_tile)
+// read K and V in their stored dtype, widened in registers, each row once for all the rows.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <memory>
 #include <type_traits>
@@ -247,7 +249,8 @@ inline __m128 hsum4x8(__m256 a, __m256 b, __m256 c, __m256 d) {
 // tree). A row with no visible key in the block is left as it is.
 template <typename T, int kD, int R>
 void decode_block_avx2(const T* kb, const T* vb, int64_t row_stride, int64_t n, const int64_t* visible,
-                       const float* qf, float* sc, int64_t KP, float* acc, float* m, float* l) {
+                       const float* qf, const T*, float, float* sc, int64_t KP, float*, float* acc, float* m,
+                       float* l) {
   constexpr int NV = kD / 8;
   int64_t j = 0;
   for (; j + 4 <= n; j += 4) {
@@ -308,69 +311,210 @@ void decode_block_avx2(const T* kb, const T* vb, int64_t row_stride, int64_t n, 
 }
 #endif
 
-#if defined(__AVX2__) && !defined(__AVX512F__)
-// A few-row tile's state for every kv head of one sequence (decode_tile_avx2): rows of 1-3 per head.
-struct WholeTileScratch {
-  std::vector<float> qf, acc, m, l, scores;
+#ifdef __AVX512F__
+// 16 stored K/V values -> 16 floats, in registers (float32, bfloat16 and float16 caches)
+template <typename T>
+constexpr bool kLoads16 = std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16> || std::is_same_v<T, c10::Half>;
+template <typename T>
+inline __m512 load16(const T* p);
+template <>
+inline __m512 load16<float>(const float* p) { return _mm512_loadu_ps(p); }
+template <>
+inline __m512 load16<c10::BFloat16>(const c10::BFloat16* p) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+template <>
+inline __m512 load16<c10::Half>(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// The few-row (decode) path's block step on AVX-512, for R = 1-3 rows of one kv head. Q K^T: per
+// row, 16 keys at a time, one partial-product vector per key summed across lanes together
+// (reduce16): on the stored bf16 bits by VDPBF16PS where kBf16Dot (qraw, the unscaled query; the
+// score times `scale`), else on float32 keys (a float32 cache's rows as stored, the others
+// converted once per block into kf). Then the online-softmax step per row, and P V with V widened
+// in registers, each value row read once for all R rows: R x C independent accumulators (where
+// one row at a time chained 4 FMAs per key, latency-bound, over a float32 copy of the block).
+// The sums run in the same order as the generic AVX-512 body's (acc * alpha, then one FMA per
+// key). A row with no visible key in the block is left as it is.
+template <typename T, int kD, int R>
+void decode_block_avx512(const T* kb, const T* vb, int64_t row_stride, int64_t n, const int64_t* visible,
+                         const float* qf, const T* qraw, float scale, float* sc, int64_t KP, float* kf, float* acc,
+                         float* m, float* l) {
+  constexpr int NV = kD / 16;
+  constexpr bool bf16_dot = kBf16Dot && std::is_same_v<T, c10::BFloat16>;
+  if constexpr (bf16_dot) {
+#ifdef __AVX512BF16__
+    constexpr int NB = kD / 32;  // head dim in 32-bf16 vectors
+    for (int r = 0; r < R; ++r) {
+      __m512bh qv[NB];
+      for (int v = 0; v < NB; ++v) qv[v] = (__m512bh)_mm512_loadu_si512(qraw + r * kD + 32 * v);
+      for (int64_t jc = 0; jc < n; jc += 16) {
+        v16 part[16];
+        const int64_t count = std::min<int64_t>(16, n - jc);
+        for (int jj = 0; jj < 16; ++jj) {
+          if (jj < count) {
+            const T* kr = kb + (jc + jj) * row_stride;
+            __m512 dot = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[0], (__m512bh)_mm512_loadu_si512(kr));
+            for (int v = 1; v < NB; ++v) dot = _mm512_dpbf16_ps(dot, qv[v], (__m512bh)_mm512_loadu_si512(kr + 32 * v));
+            part[jj] = (v16)dot;
+          } else {
+            part[jj] = v16{};
+          }
+        }
+        *reinterpret_cast<v16*>(sc + r * KP + jc) = reduce16(part) * scale;
+      }
+    }
+#endif
+  } else {
+    const float* keys = nullptr;
+    int64_t key_stride = kD;
+    if constexpr (std::is_same_v<T, float>) {
+      keys = kb;
+      key_stride = row_stride;
+    } else {
+      for (int64_t j = 0; j < n; ++j) {
+        for (int v = 0; v < NV; ++v) _mm512_storeu_ps(kf + j * kD + 16 * v, load16(kb + j * row_stride + 16 * v));
+      }
+      keys = kf;
+    }
+    for (int r = 0; r < R; ++r) {
+      v16 qv[NV];
+      for (int v = 0; v < NV; ++v) qv[v] = *reinterpret_cast<const v16*>(qf + r * kD + 16 * v);
+      for (int64_t jc = 0; jc < n; jc += 16) {
+        v16 part[16];
+        const int64_t count = std::min<int64_t>(16, n - jc);
+        for (int jj = 0; jj < 16; ++jj) {
+          if (jj < count) {
+            const v16* kr = reinterpret_cast<const v16*>(keys + (jc + jj) * key_stride);
+            v16 dot = qv[0] * kr[0];
+            for (int v = 1; v < NV; ++v) dot += qv[v] * kr[v];
+            part[jj] = dot;
+          } else {
+            part[jj] = v16{};
+          }
+        }
+        *reinterpret_cast<v16*>(sc + r * KP + jc) = reduce16(part);
+      }
+    }
+  }
+  float alpha[R];
+  int64_t keys_seen = 0;
+  for (int r = 0; r < R; ++r) {
+    if (visible[r] > 0) {
+      alpha[r] = softmax_step(sc + r * KP, n, visible[r], m[r], l[r]);
+      keys_seen = std::max(keys_seen, visible[r]);
+    } else {
+      alpha[r] = 1.f;
+      std::fill(sc + r * KP, sc + r * KP + n, 0.f);
+    }
+  }
+  constexpr int C = NV < 4 ? NV : 4;  // 16-float registers per row in one P V tile
+  static_assert(NV % C == 0, "P V tiles cover the head dim");
+  for (int c0 = 0; c0 < NV; c0 += C) {
+    __m512 a[R][C];
+    for (int r = 0; r < R; ++r) {
+      const __m512 scale_old = _mm512_set1_ps(alpha[r]);
+      for (int i = 0; i < C; ++i) a[r][i] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * kD + 16 * (c0 + i)), scale_old);
+    }
+    for (int64_t jj = 0; jj < keys_seen; ++jj) {
+      __m512 p[R];
+      for (int r = 0; r < R; ++r) p[r] = _mm512_set1_ps(sc[r * KP + jj]);
+      for (int i = 0; i < C; ++i) {
+        const __m512 vv = load16(vb + jj * row_stride + 16 * (c0 + i));
+        for (int r = 0; r < R; ++r) a[r][i] = _mm512_fmadd_ps(p[r], vv, a[r][i]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      for (int i = 0; i < C; ++i) _mm512_storeu_ps(acc + r * kD + 16 * (c0 + i), a[r][i]);
+    }
+  }
+}
+#endif
+
+// The few-row block step of this ISA (decode_block_avx2 / decode_block_avx512), and whether a
+// cache dtype T at head dim kD has one. Few-row tiles that have one take decode_tile below.
+#if defined(__AVX512F__)
+template <typename T, int kD>
+constexpr bool kFewRowPath = kD > 0 && kD % 32 == 0 && kLoads16<T>;
+template <typename T, int kD, int R>
+constexpr auto kDecodeBlockOf = decode_block_avx512<T, kD, R>;
+#elif defined(__AVX2__)
+template <typename T, int kD>
+constexpr bool kFewRowPath = kD > 0 && kD % 32 == 0 && kLoads8<T>;
+template <typename T, int kD, int R>
+constexpr auto kDecodeBlockOf = decode_block_avx2<T, kD, R>;
+#else
+template <typename T, int kD>
+constexpr bool kFewRowPath = false;
+#endif
+constexpr int kFewRows = 3;  // the most rows per kv head that decode_tile takes
+
+// A few-row tile's state for one kv head (decode_tile): up to kFewRows rows.
+struct FewRowScratch {
+  std::vector<float> qf, acc, m, l, scores, kf;
+  std::vector<uint16_t> qraw;  // the unscaled query's bits where T is 16-bit (the bf16 dot product)
   int64_t KP;
-  WholeTileScratch(int64_t KH, int64_t D, int64_t kp)
-      : qf(KH * 3 * D), acc(KH * 3 * D), m(KH * 3), l(KH * 3), scores(3 * kp), KP(kp) {}
+  FewRowScratch(int64_t D, int64_t kp, int64_t B)
+      : qf(kFewRows * D), acc(kFewRows * D), m(kFewRows), l(kFewRows), scores(kFewRows * kp), kf(B * D),
+        qraw(kFewRows * D), KP(kp) {}
 };
 
-// One few-row tile (1-3 rows per kv head: a decode token) over all its kv heads, block by block:
-// each block's K and V rows are read whole and in order (every kv head's slice of a row in turn),
-// and the next block is fetched meanwhile, where one item per kv head read a third of every row,
-// scattered, and left the DRAM bandwidth unused (docs/benchmarks.md, "AVX2, session 15"). Per kv
-// head the sums are decode_block_avx2's, in the same order.
+// One few-row tile (1-3 rows of kv head kh: a decode token) block by block, the next block's rows
+// of this kv head fetched into L2 meanwhile (prefetcht1). One item per (tile, kv head): on this
+// EPYC (AVX-512 BF16) and in its AVX2 build, one item over all of a tile's kv heads, each block
+// read whole (what session 15 measured best on AVX2 against the generic body), was slower than
+// this at every batch, e.g. 1.93-2.03 against 1.38-1.60 ms per layer at 64 x 512 tokens and 0.13
+// against 0.05-0.07 at 1 x 1,024 (scripts/decode_attention_time.py with L=30; docs/benchmarks.md,
+// "AVX-512 BF16, session 17"), and a block fetched into L1 (prefetcht0) waited on the miss buffers.
+#if defined(__AVX512F__) || defined(__AVX2__)
 template <typename T, int kD>
-void decode_tile_avx2(const T* q, const T* kc, const T* vc, T* out, const int64_t* table, int64_t q_begin,
-                      int64_t rows, int64_t first_pos, int64_t H, int64_t KH, int64_t G, int64_t B, float scale,
-                      WholeTileScratch& s) {
+void decode_tile(const T* q, const T* kc, const T* vc, T* out, const int64_t* table, int64_t q_begin, int64_t rows,
+                 int64_t first_pos, int64_t H, int64_t KH, int64_t G, int64_t B, float scale, int64_t kh,
+                 FewRowScratch& s) {
   const int64_t row_stride = KH * kD, block_stride = B * row_stride;
-  for (int64_t kh = 0; kh < KH; ++kh) {
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t i = r / G, g = r % G;
-      float* qr = &s.qf[(kh * 3 + r) * kD];
-      to_float(q + ((q_begin + i) * H + kh * G + g) * kD, qr, kD);
-      for (int d = 0; d < kD; ++d) qr[d] *= scale;
-      s.m[kh * 3 + r] = -std::numeric_limits<float>::infinity();
-      s.l[kh * 3 + r] = 0.f;
-      std::fill(&s.acc[(kh * 3 + r) * kD], &s.acc[(kh * 3 + r) * kD] + kD, 0.f);
-    }
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* qr_in = q + ((q_begin + r / G) * H + kh * G + r % G) * kD;
+    float* qr = &s.qf[r * kD];
+    to_float(qr_in, qr, kD);
+    for (int d = 0; d < kD; ++d) qr[d] *= scale;
+    if constexpr (sizeof(T) == 2) std::memcpy(&s.qraw[r * kD], qr_in, kD * sizeof(T));
+    s.m[r] = -std::numeric_limits<float>::infinity();
+    s.l[r] = 0.f;
+    std::fill(&s.acc[r * kD], &s.acc[r * kD] + kD, 0.f);
   }
   const int64_t nq = rows / G;
   const int64_t last_key = first_pos + nq;  // keys 0..last_key-1 are visible to some row
   const int64_t nblocks = (last_key + B - 1) / B;
-  constexpr void (*kDecodeBlock[])(const T*, const T*, int64_t, int64_t, const int64_t*, const float*, float*,
-                                   int64_t, float*, float*, float*) = {
-      decode_block_avx2<T, kD, 1>, decode_block_avx2<T, kD, 2>, decode_block_avx2<T, kD, 3>};
-  const int64_t block_bytes = block_stride * static_cast<int64_t>(sizeof(T));
+  constexpr void (*kDecodeBlock[])(const T*, const T*, int64_t, int64_t, const int64_t*, const float*, const T*,
+                                   float, float*, int64_t, float*, float*, float*, float*) = {
+      kDecodeBlockOf<T, kD, 1>, kDecodeBlockOf<T, kD, 2>, kDecodeBlockOf<T, kD, 3>};
+  constexpr int64_t kRowBytes = kD * static_cast<int64_t>(sizeof(T));
+  const int64_t stride = row_stride * static_cast<int64_t>(sizeof(T));
   for (int64_t b = 0; b < nblocks; ++b) {
     const int64_t n = std::min<int64_t>(B, last_key - b * B);
-    if (b + 1 < nblocks) {  // the next block sits elsewhere in the pool: fetch it whole meanwhile
-      const char* kn = reinterpret_cast<const char*>(kc + table[b + 1] * block_stride);
-      const char* vn = reinterpret_cast<const char*>(vc + table[b + 1] * block_stride);
-      for (int64_t o = 0; o < block_bytes; o += 64) {
-        __builtin_prefetch(kn + o);
-        __builtin_prefetch(vn + o);
+    if (b + 1 < nblocks) {
+      const char* kn = reinterpret_cast<const char*>(kc + table[b + 1] * block_stride + kh * kD);
+      const char* vn = reinterpret_cast<const char*>(vc + table[b + 1] * block_stride + kh * kD);
+      for (int64_t j = 0; j < B; ++j) {
+        for (int64_t o = 0; o < kRowBytes; o += 64) {
+          __builtin_prefetch(kn + j * stride + o, 0, 2);
+          __builtin_prefetch(vn + j * stride + o, 0, 2);
+        }
       }
     }
-    int64_t visible[3];
+    int64_t visible[kFewRows];
     for (int64_t r = 0; r < rows; ++r) visible[r] = std::min<int64_t>(n, first_pos + r / G - b * B + 1);
-    const T* kb = kc + table[b] * block_stride;
-    const T* vb = vc + table[b] * block_stride;
-    for (int64_t kh = 0; kh < KH; ++kh) {
-      kDecodeBlock[rows - 1](kb + kh * kD, vb + kh * kD, row_stride, n, visible, &s.qf[kh * 3 * kD],
-                             s.scores.data(), s.KP, &s.acc[kh * 3 * kD], &s.m[kh * 3], &s.l[kh * 3]);
-    }
+    kDecodeBlock[rows - 1](kc + table[b] * block_stride + kh * kD, vc + table[b] * block_stride + kh * kD, row_stride,
+                           n, visible, s.qf.data(), reinterpret_cast<const T*>(s.qraw.data()), scale, s.scores.data(),
+                           s.KP, s.kf.data(), s.acc.data(), s.m.data(), s.l.data());
   }
-  for (int64_t kh = 0; kh < KH; ++kh) {
-    for (int64_t r = 0; r < rows; ++r) {
-      float* ar = &s.acc[(kh * 3 + r) * kD];
-      const float inv = 1.f / s.l[kh * 3 + r];
-      for (int d = 0; d < kD; ++d) ar[d] *= inv;
-      from_float(ar, out + ((q_begin + r / G) * H + kh * G + r % G) * kD, kD);
-    }
+  for (int64_t r = 0; r < rows; ++r) {
+    float* ar = &s.acc[r * kD];
+    const float inv = 1.f / s.l[r];
+    for (int d = 0; d < kD; ++d) ar[d] *= inv;
+    from_float(ar, out + ((q_begin + r / G) * H + kh * G + r % G) * kD, kD);
   }
 }
 #endif
@@ -519,8 +663,7 @@ void attend_tile_gemm(const T* q, T* out, int64_t seq, int64_t q_begin, int64_t 
 // time share one head's converted K/V in cache; few-row (decode) tiles keep a tile's kv heads
 // together, as they read the same block rows (a head-major order cost decode ~10%).
 inline std::vector<int64_t> schedule(const std::vector<Tile>& tiles, const std::vector<char>& tiled,
-                                     const std::vector<char>& whole, const int64_t* qsl, const int64_t* seq_lens,
-                                     int64_t KH) {
+                                     const int64_t* qsl, const int64_t* seq_lens, int64_t KH) {
   const int64_t n_tiles = static_cast<int64_t>(tiles.size());
   std::vector<int64_t> cost(n_tiles), by_cost(n_tiles);
   for (int64_t i = 0; i < n_tiles; ++i) {
@@ -538,7 +681,7 @@ inline std::vector<int64_t> schedule(const std::vector<Tile>& tiles, const std::
       if (tiled[i]) order.push_back(i * KH + kh);
   for (int64_t i : by_cost)
     if (!tiled[i])
-      for (int64_t kh = 0; kh < (whole[i] ? 1 : KH); ++kh) order.push_back(i * KH + kh);
+      for (int64_t kh = 0; kh < KH; ++kh) order.push_back(i * KH + kh);
   return order;
 }
 
@@ -563,21 +706,16 @@ void attention_kernel(const T* q, const T* kc, const T* vc, T* out, const int64_
   const int64_t block_stride = B * KH * D;
   // tiles of at least kScoreRows rows take the tiled path, over blocks converted once per call
   auto tiled_tile = [&](const Tile& t) { return kD > 0 && kD % 16 == 0 && (t.q_end - t.q_begin) * G >= kScoreRows; };
-  // few-row tiles that one item attends over all kv heads, block by block (decode_tile_avx2)
-  constexpr bool kWholeTiles =
-#if defined(__AVX2__) && !defined(__AVX512F__)
-      kD > 0 && kD % 32 == 0 && kLoads8<T>;
-#else
-      false;
-#endif
-  std::vector<char> wanted(num_seqs, 0), tiled(tiles.size(), 0), whole(tiles.size(), 0);
+  // few-row (decode) tiles take decode_tile where this ISA has a block step for T and kD
+  constexpr bool kFew = kFewRowPath<T, kD>;
+  std::vector<char> wanted(num_seqs, 0), tiled(tiles.size(), 0), few(tiles.size(), 0);
   for (size_t i = 0; i < tiles.size(); ++i) {
     tiled[i] = tiled_tile(tiles[i]);
-    whole[i] = kWholeTiles && !tiled[i] && (tiles[i].q_end - tiles[i].q_begin) * G <= 3;
+    few[i] = kFew && !tiled[i] && (tiles[i].q_end - tiles[i].q_begin) * G <= kFewRows;
     wanted[tiles[i].seq] = wanted[tiles[i].seq] || tiled[i];
   }
   const ConvertedSeqs converted = convert_sequences(kc, vc, wanted, seq_lens, tables, max_blocks, KH, D, B);
-  const std::vector<int64_t> order = schedule(tiles, tiled, whole, qsl, seq_lens, KH);
+  const std::vector<int64_t> order = schedule(tiles, tiled, qsl, seq_lens, KH);
   const int64_t num_items = static_cast<int64_t>(order.size());
 
   // threads take items from a shared counter (not a static split of the range, which gave one
@@ -591,9 +729,7 @@ void attention_kernel(const T* q, const T* kc, const T* vc, T* out, const int64_
     std::vector<float> scores(max_rows * KP), kf(KP * D), vf(B * D);
     std::vector<int64_t> row_pos(max_rows);
     std::unique_ptr<TiledScratch> tiled;  // made on a thread's first many-row tile
-#if defined(__AVX2__) && !defined(__AVX512F__)
-    WholeTileScratch whole_scratch(kWholeTiles ? KH : 0, kWholeTiles ? D : 0, round_up(B, 16));
-#endif
+    FewRowScratch few_scratch(kFew ? D : 0, KP, kFew ? B : 0);
     for (int64_t k = next.fetch_add(1, std::memory_order_relaxed); k < num_items;
          k = next.fetch_add(1, std::memory_order_relaxed)) {
       const int64_t item = order[k];
@@ -603,11 +739,11 @@ void attention_kernel(const T* q, const T* kc, const T* vc, T* out, const int64_
       const int64_t ctx = seq_lens[tile.seq];
       const int64_t first_pos = ctx - (qsl[tile.seq + 1] - qsl[tile.seq]) + (tile.q_begin - qsl[tile.seq]);
       const int64_t rows = nq * G;
-#if defined(__AVX2__) && !defined(__AVX512F__)
-      if constexpr (kWholeTiles) {
-        if (whole[item / KH]) {
-          decode_tile_avx2<T, kD>(q, kc, vc, out, tables + tile.seq * max_blocks, tile.q_begin, rows, first_pos, H, KH,
-                                  G, B, scale, whole_scratch);
+#if defined(__AVX512F__) || defined(__AVX2__)
+      if constexpr (kFew) {
+        if (few[item / KH]) {
+          decode_tile<T, kD>(q, kc, vc, out, tables + tile.seq * max_blocks, tile.q_begin, rows, first_pos, H, KH, G,
+                             B, scale, kh, few_scratch);
           continue;
         }
       }
