@@ -104,7 +104,9 @@ def test_beam_search_under_preemption_gives_the_same_beams(tiny, mode):
 
 
 @pytest.mark.parametrize("bad", [dict(beam_width=0, max_tokens=4), dict(beam_width=2, max_tokens=0),
-                                 dict(beam_width=11, max_tokens=4)])
+                                 dict(beam_width=11, max_tokens=4),
+                                 *(dict(beam_width=2, max_tokens=4, length_penalty=x)
+                                   for x in (float("nan"), float("inf"), -float("inf")))])
 def test_beam_search_params_are_validated(bad):
     with pytest.raises(ValueError):
         BeamSearchParams(**bad)
@@ -128,4 +130,17 @@ def test_beam_search_interleaves_with_other_requests_and_aborting_it_frees_every
     while engine.has_unfinished():
         finals.update((o.request_id, o) for o in engine.step() if o.finished)
     assert set(finals) == {"plain"} and finals["plain"].outputs[0].token_ids == alone
+    assert_all_free(llm)
+
+
+@pytest.mark.parametrize("length_penalty", [1e300, -1e300, 400.0, -400.0])
+def test_a_length_penalty_past_the_float_range_ranks_instead_of_killing_the_engine(tiny, length_penalty):
+    """``n ** length_penalty`` overflows (OverflowError) or underflows to 0 (ZeroDivisionError)
+    for such penalties: the engine thread raised in ``beam_score`` and stopped (schemathesis found
+    it through ``use_beam_search`` + ``length_penalty`` 1e300). The score is now its limit, so the
+    search finishes, ranks its beams, and frees every block."""
+    _, llm = tiny
+    params = BeamSearchParams(beam_width=3, max_tokens=4, length_penalty=length_penalty)
+    (out,) = llm.beam_search({"prompt_token_ids": list(range(40, 52))}, params)
+    assert len(out.sequences) == 3 and all(len(s.tokens) > 12 for s in out.sequences)
     assert_all_free(llm)

@@ -36,11 +36,16 @@ CROSS_FIELD_MESSAGES = re.compile("|".join([
 ]))
 
 
+# the batch chat route names the conversation a rule was broken in first ("messages.2: ...")
+CONVERSATION = re.compile(r"^messages\.\d+: ")
+
+
 def broke_a_cross_field_rule(status: int, body: bytes) -> bool:
     if status != 400:
         return False
     error = json.loads(body)["error"]
-    return error["code"] in CROSS_FIELD_CODES or bool(CROSS_FIELD_MESSAGES.search(error["message"]))
+    message = CONVERSATION.sub("", error["message"])
+    return error["code"] in CROSS_FIELD_CODES or bool(CROSS_FIELD_MESSAGES.search(message))
 
 
 def _tally(what: str) -> None:

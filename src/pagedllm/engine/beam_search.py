@@ -22,6 +22,7 @@ can abort them like any request.
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass, field
 
 from pagedllm.engine.request import Request, RequestStatus
@@ -41,8 +42,9 @@ class BeamSearchParams:
             raise ValueError(f"beam_width must be an integer in 1..10, got {self.beam_width!r}")
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if isinstance(self.length_penalty, bool) or not isinstance(self.length_penalty, int | float):
-            raise ValueError(f"length_penalty must be a number, got {self.length_penalty!r}")
+        if isinstance(self.length_penalty, bool) or not isinstance(self.length_penalty, int | float) or \
+                not math.isfinite(self.length_penalty):
+            raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty!r}")
 
 
 @dataclass
@@ -59,8 +61,17 @@ class BeamSearchOutput:
 
 
 def beam_score(seq: BeamSearchSequence, eos: frozenset[int], length_penalty: float) -> float:
-    n = len(seq.tokens) - (1 if seq.tokens and seq.tokens[-1] in eos else 0)
-    return seq.cum_logprob / (n ** length_penalty)
+    """``cum_logprob / n ** length_penalty``; where ``n ** length_penalty`` leaves the float range
+    (a length_penalty of 1e300 or -1e300), its limit: 0 (-0.0) or -inf (0 for a zero logprob), not
+    an OverflowError or ZeroDivisionError in the engine thread."""
+    n = max(1, len(seq.tokens) - (1 if seq.tokens and seq.tokens[-1] in eos else 0))
+    try:
+        scale = n ** length_penalty
+    except OverflowError:
+        scale = math.inf
+    if scale == 0.0:
+        return -math.inf if seq.cum_logprob < 0 else 0.0
+    return seq.cum_logprob / scale
 
 
 @dataclass

@@ -20,13 +20,14 @@ from pydantic import ValidationError
 
 import pagedllm
 from pagedllm.errors import InvalidRequest
-from pagedllm.server.chat import create_chat_completion
+from pagedllm.server.chat import create_batch_chat_completion, create_chat_completion
 from pagedllm.server.completions import create_completion
 from pagedllm.server.dashboard import install_dashboard
 from pagedllm.server.errors import ENGINE_DEAD, OpenAIError, install_error_handlers
 from pagedllm.server.metrics import engine_snapshot
 from pagedllm.server.openapi import install_openapi
 from pagedllm.server.protocol import (
+    BatchChatCompletionRequest,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -182,6 +183,14 @@ def build_app(ctx: ServerContext, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) 
     async def chat_completions(req: ChatCompletionRequest, raw: Request):
         try:
             return await create_chat_completion(ctx, req, raw)
+        except ClientDisconnected:
+            return Response(status_code=499)
+
+    @app.post("/v1/chat/completions/batch")
+    async def chat_completions_batch(req: BatchChatCompletionRequest, raw: Request):
+        """vLLM's batch route: ``messages`` a list of conversations, one choice each (docs/api.md)."""
+        try:
+            return await create_batch_chat_completion(ctx, req, raw)
         except ClientDisconnected:
             return Response(status_code=499)
 

@@ -13,7 +13,7 @@ from fastapi.responses import StreamingResponse
 
 from pagedllm.engine.outputs import CompletionOutput, Logprob
 from pagedllm.server.errors import OpenAIError, error_chunk
-from pagedllm.server.protocol import ChatCompletionRequest
+from pagedllm.server.protocol import BatchChatCompletionRequest, ChatCompletionRequest
 from pagedllm.server.serving import (
     ServerContext,
     Usage,
@@ -73,9 +73,22 @@ async def start_chat(ctx: ServerContext, req: ChatCompletionRequest, raw: Reques
     top-logprobs count, its ``ToolPlan`` or None). Shared with ``/v1/responses``."""
     ctx.check_model(req.model)
     ctx.check_costs(req)
-    limit = ctx.engine.engine.config.scheduler.max_model_len
     plan = ToolPlan.of(req, ctx.tool_call_parser)  # a bad tool_choice: InvalidRequest, a 400
-    prompt_ids = req.truncated(await chat_prompt_ids(ctx, req, plan), limit)
+    prompt_ids = req.truncated(await chat_prompt_ids(ctx, req, plan), ctx.engine.engine.config.scheduler.max_model_len)
+    params, top = _chat_params(ctx, req, plan)
+    request_id = request_id or new_id("chatcmpl")
+    prompt = {"prompt_token_ids": prompt_ids, **_salt(ctx, req, raw)}
+    outputs = merge(await add_prompts(ctx, [prompt], params, request_id, req.constraint_field), req.constraint_field)
+    return outputs, _head(ctx, request_id), top, plan
+
+
+def _head(ctx: ServerContext, request_id: str) -> dict:
+    return {"id": request_id, "object": "chat.completion", "created": ctx.created, "model": ctx.model_name}
+
+
+def _chat_params(ctx: ServerContext, req: ChatCompletionRequest, plan: ToolPlan | None):
+    """(the engine's sampling or beam-search params for ``req``, its top-logprobs count)."""
+    limit = ctx.engine.engine.config.scheduler.max_model_len
     top = req.top_logprobs or 0
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if req.max_tokens is not None and req.max_tokens >= limit:  # checked even when max_completion_tokens rules
@@ -84,16 +97,33 @@ async def start_chat(ctx: ServerContext, req: ChatCompletionRequest, raw: Reques
     if max_tokens is None:  # --default-chat-max-tokens, else the rest of the context
         max_tokens = ctx.limits.default_chat_max_tokens
     if req.use_beam_search:
-        params = req.beam_search_params(max_tokens)
-    else:
-        params = req.sampling_params(max_tokens, top if req.logprobs else None, prompt_logprobs=req.prompt_logprobs)
-        if plan is not None and plan.constraint() is not None:  # tool_choice required or named: the calls are made
-            params = dataclasses.replace(params, structured_outputs=plan.constraint())
-    request_id = request_id or new_id("chatcmpl")
-    prompt = {"prompt_token_ids": prompt_ids, **_salt(ctx, req, raw)}
-    outputs = merge(await add_prompts(ctx, [prompt], params, request_id, req.constraint_field), req.constraint_field)
-    head = {"id": request_id, "object": "chat.completion", "created": ctx.created, "model": ctx.model_name}
-    return outputs, head, top, plan
+        return req.beam_search_params(max_tokens), top
+    params = req.sampling_params(max_tokens, top if req.logprobs else None, prompt_logprobs=req.prompt_logprobs)
+    if plan is not None and plan.constraint() is not None:  # tool_choice required or named: the calls are made
+        params = dataclasses.replace(params, structured_outputs=plan.constraint())
+    return params, top
+
+
+async def create_batch_chat_completion(ctx: ServerContext, batch: BatchChatCompletionRequest, raw: Request) -> dict:
+    """vLLM's ``POST /v1/chat/completions/batch``: every conversation rendered (a 400 names the
+    one that fails, or cannot fit, ``messages.i``) and queued together, or none; one body, choice i answering
+    conversation i, each as ``/v1/chat/completions`` would alone."""
+    ctx.check_model(batch.model)
+    ctx.check_costs(batch)
+    requests = batch.conversations()
+    limit = ctx.engine.engine.config.scheduler.max_model_len
+    salt = _salt(ctx, batch, raw)
+    prompts = []
+    for i, req in enumerate(requests):
+        try:
+            prompts.append({"prompt_token_ids": req.truncated(await chat_prompt_ids(ctx, req), limit), **salt})
+        except OpenAIError as exc:
+            raise OpenAIError(exc.status, f"messages.{i}: {exc.message}", f"messages.{i}", exc.code) from None
+    params, top = _chat_params(ctx, batch, None)
+    request_id = new_id("chatcmpl")
+    outputs = merge(await add_prompts(ctx, prompts, params, request_id, batch.constraint_field,
+                                      prompt_param=lambda i: f"messages.{i}"), batch.constraint_field)
+    return await unless_disconnected(raw, _collect_batch(requests, outputs, _head(ctx, request_id), top))
 
 
 def _salt(ctx: ServerContext, req: ChatCompletionRequest, raw: Request) -> dict:
@@ -121,36 +151,66 @@ def _message(text: str, plan: ToolPlan | None, reason: str | None) -> tuple[dict
     return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls" if reason == "stop" else reason
 
 
+class _Choices:
+    """What a whole chat body's choices gather from the outputs, keyed by (prompt index, choice
+    index): text (after the request's ``echo``), token ids, logprobs, finish reasons, the usage,
+    and each prompt's first output (its prompt token ids and logprobs)."""
+
+    def __init__(self, requests: list[ChatCompletionRequest], top: int) -> None:
+        self.requests, self.top = requests, top
+        self.texts: dict[tuple[int, int], str] = {}
+        self.token_ids: dict[tuple[int, int], list[int]] = {}
+        self.logprobs: dict[tuple[int, int], list] = {}
+        self.finish: dict[tuple[int, int], tuple] = {}
+        self.first: dict[int, object] = {}
+        self.usage = Usage()
+
+    async def gather(self, outputs) -> _Choices:
+        async for i, out in outputs:
+            req = self.requests[i]
+            self.usage.add(out, i not in self.first)
+            self.first.setdefault(i, out)
+            for c in out.outputs:
+                key = (i, c.index)
+                self.texts[key] = self.texts.get(key, req.echoed()) + c.text
+                self.token_ids.setdefault(key, []).extend(c.token_ids)
+                if req.logprobs:
+                    self.logprobs.setdefault(key, []).extend(chat_logprobs(c, self.top))
+                if c.finish_reason is not None:
+                    self.finish[key] = (c.finish_reason, c.stop_reason)
+        return self
+
+    def choice(self, key: tuple[int, int], index: int, plan: ToolPlan | None) -> dict:
+        req = self.requests[key[0]]
+        reason, stop_reason = self.finish.get(key, (None, None))
+        message, reason = _message(self.texts[key], plan, reason)
+        return {"index": index, "message": message,
+                "logprobs": {"content": self.logprobs.get(key, [])} if req.logprobs else None,
+                "finish_reason": reason, "stop_reason": stop_reason,
+                "token_ids": self.token_ids[key] if req.return_token_ids else None}
+
+
 async def collect_chat(req: ChatCompletionRequest, outputs, head: dict, top: int, plan: ToolPlan | None) -> dict:
     """The whole chat completion body, once every choice has finished (shared with /v1/responses)."""
-    texts: dict[int, str] = {}
-    token_ids: dict[int, list[int]] = {}
-    logprobs: dict[int, list] = {}
-    finish: dict[int, tuple] = {}
-    usage = Usage()
-    first = True
+    got = await _Choices([req], top).gather(outputs)
     extras = {"prompt_token_ids": None, "prompt_logprobs": None}  # vLLM's keys, null unless asked for
-    async for _, out in outputs:
-        usage.add(out, first)
-        if first:
-            extras |= _prompt_extras(req, out)
-        first = False
-        for c in out.outputs:
-            texts[c.index] = texts.get(c.index, req.echoed()) + c.text
-            token_ids.setdefault(c.index, []).extend(c.token_ids)
-            if req.logprobs:
-                logprobs.setdefault(c.index, []).extend(chat_logprobs(c, top))
-            if c.finish_reason is not None:
-                finish[c.index] = (c.finish_reason, c.stop_reason)
+    if 0 in got.first:
+        extras |= _prompt_extras(req, got.first[0])
+    choices = [got.choice(key, key[1], plan) for key in sorted(got.texts)]
+    return {**head, "choices": choices, "usage": got.usage.body(), **extras}
+
+
+async def _collect_batch(requests: list[ChatCompletionRequest], outputs, head: dict, top: int) -> dict:
+    """The batch body: choice i for conversation i; with ``return_token_ids``, each choice also
+    carries its conversation's ``prompt_token_ids`` (one body, N prompts)."""
+    got = await _Choices(requests, top).gather(outputs)
     choices = []
-    for k in sorted(texts):
-        reason, stop_reason = finish.get(k, (None, None))
-        message, reason = _message(texts[k], plan, reason)
-        choices.append({"index": k, "message": message,
-                        "logprobs": {"content": logprobs.get(k, [])} if req.logprobs else None,
-                        "finish_reason": reason, "stop_reason": stop_reason,
-                        "token_ids": token_ids[k] if req.return_token_ids else None})
-    return {**head, "choices": choices, "usage": usage.body(), **extras}
+    for i, req in enumerate(requests):
+        choice = got.choice((i, 0), i, None)
+        if req.return_token_ids:
+            choice["prompt_token_ids"] = list(got.first[i].prompt_token_ids)
+        choices.append(choice)
+    return {**head, "choices": choices, "usage": got.usage.body(), "prompt_token_ids": None, "prompt_logprobs": None}
 
 
 async def _stream(req: ChatCompletionRequest, outputs, head: dict, top: int,

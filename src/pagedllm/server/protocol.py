@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
@@ -329,6 +329,34 @@ class ChatCompletionRequest(SamplingFields):
         """What ``echo`` puts in front of the reply: the last message, if it is the assistant's."""
         last = self.messages[-1]
         return last.text() if self.echo and last.role == "assistant" else ""
+
+
+class BatchChatCompletionRequest(ChatCompletionRequest):
+    """vLLM's ``POST /v1/chat/completions/batch``: the chat fields, ``messages`` a list of
+    conversations (at most ``MAX_N``), each answered as ``/v1/chat/completions`` would answer it
+    alone, in one body: choice i is conversation i, the usage is their sum. As vLLM, no ``stream``,
+    ``tools`` or ``tool_choice`` other than ``none``, beam search, or ``n`` above 1; and no
+    ``prompt_logprobs`` (one body has no place for N prompts' logprobs)."""
+
+    messages: Annotated[list[Annotated[list[ChatMessage], Field(min_length=1)]], Field(min_length=1, max_length=MAX_N)]
+
+    # the chat fields this route does not take, each narrowed to its off value, so the schema says
+    # it and anything else is a 400 naming the field (docs/api.md lists them)
+    REFUSED_FIELDS: ClassVar[tuple[str, ...]] = ("stream", "stream_options", "tools", "tool_choice",
+                                                 "use_beam_search", "prompt_logprobs")
+    stream: Annotated[Literal[False], BeforeValidator(_bool_only)] = False
+    stream_options: None = None
+    tools: None = None
+    tool_choice: Literal["none"] | None = None
+    use_beam_search: Annotated[Literal[False], BeforeValidator(_bool_only)] = False
+    prompt_logprobs: None = None
+    n: Int(ge=1, le=1) = 1
+
+    def conversations(self) -> list[ChatCompletionRequest]:
+        """One chat request per conversation, with every other field as given (already validated)."""
+        shared = {k: getattr(self, k) for k in ChatCompletionRequest.model_fields if k != "messages"}
+        return [ChatCompletionRequest.model_construct(self.model_fields_set, messages=m, **shared)
+                for m in self.messages]
 
 
 def _template_flags(req) -> None:

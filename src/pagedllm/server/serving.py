@@ -26,7 +26,7 @@ from pagedllm.engine.outputs import RequestOutput
 from pagedllm.engine.sampling_params import SamplingParams
 from pagedllm.engine.structured_output import GRAMMAR_REJECTED
 from pagedllm.errors import InvalidRequest, require_utf8
-from pagedllm.server.errors import OpenAIError
+from pagedllm.server.errors import OpenAIError, as_openai_error
 from pagedllm.server.limits import ServerLimits
 from pagedllm.server.metrics import ServerMetrics
 
@@ -198,12 +198,14 @@ async def compile_constraint(ctx: ServerContext, params: SamplingParams, field: 
 
 async def add_prompts(ctx: ServerContext, prompts: list, params: SamplingParams,
                       request_id: str, constraint_field: str = "response_format",
-                      truncate: Callable[[list[int]], list[int]] | None = None) -> list[RequestStream]:
+                      truncate: Callable[[list[int]], list[int]] | None = None,
+                      prompt_param: Callable[[int], str] | None = None) -> list[RequestStream]:
     """Admit (``ServerContext.admit``), validate and queue one engine request per prompt: all of
     them, or none (the first error is raised, e.g. ``InvalidRequest`` -> 400, before any response
     starts). Each stream gives its ``n`` sequences back to the admission count when it ends.
     ``truncate`` cuts each tokenized prompt (``truncate_prompt_tokens``); a cut text prompt is then
-    its token ids only, so an echo gives back what the model saw."""
+    its token ids only, so an echo gives back what the model saw. ``prompt_param(i)`` names the
+    field of prompt i in an error about it (the batch chat route's ``messages.i``)."""
     width = params.n if isinstance(params, SamplingParams) else params.beam_width  # BeamSearchParams: beams
     admission = ctx.admit(len(prompts) * width)
     streams: list[RequestStream] = []
@@ -213,7 +215,14 @@ async def add_prompts(ctx: ServerContext, prompts: list, params: SamplingParams,
             prompts = [_truncated(p, truncate) for p in prompts]
         await compile_constraint(ctx, params, constraint_field)
         for i, p in enumerate(prompts):
-            stream = await ctx.engine.add_request(f"{request_id}-{i}", p, params)
+            try:
+                stream = await ctx.engine.add_request(f"{request_id}-{i}", p, params)
+            except InvalidRequest as exc:
+                if prompt_param is None:
+                    raise
+                error = as_openai_error(exc)
+                raise OpenAIError(error.status, f"{prompt_param(i)}: {error.message}", prompt_param(i),
+                                  error.code) from None
             stream.on_done(lambda: admission.release(width))
             streams.append(stream)
     except BaseException:
