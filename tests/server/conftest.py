@@ -19,6 +19,14 @@ import pytest
 from starlette.testclient import TestClient
 
 from tests.conftest import make_tiny_checkpoint
+from tests.server.sent_fields import recording
+
+
+@pytest.fixture(scope="session", autouse=True)
+def record_sent_fields():
+    """Every request body the server tests send (``sent_fields.py``), for test_zz_every_field_is_sent."""
+    with recording():
+        yield
 
 
 def free_port() -> int:

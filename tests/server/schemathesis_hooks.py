@@ -28,6 +28,7 @@ CROSS_FIELD_MESSAGES = re.compile("|".join([
     r"^continue_final_message: cannot be true together with add_generation_prompt",
     r"^[a-z_]+: beam search \(use_beam_search\) does not use it",       # fields beam search would ignore
     r"with use_beam_search",                                           # n <= 10 beams, max_tokens given
+    r"^length_penalty: only used with use_beam_search",               # it scores beams, nothing else
     r"^tool_choice: ",                       # needs tools; a named function among them; no response_format beside
     r"tool_calls: arguments must be a JSON object",                    # a history call's arguments
     r"^previous_response_id: no stored response",                      # ids come from earlier responses

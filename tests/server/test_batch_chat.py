@@ -64,7 +64,7 @@ def test_the_chat_fields_apply_to_every_conversation(client):
 
 
 @pytest.mark.parametrize("field,value", [("stream", True), ("n", 2), ("n", True), ("use_beam_search", True),
-                                         ("use_beam_search", 0),
+                                         ("use_beam_search", 0), ("length_penalty", 2.0),
                                          ("tool_choice", "auto"), ("prompt_logprobs", 1),
                                          ("stream_options", {"include_usage": True}),
                                          ("tools", [{"type": "function", "function": {"name": "f"}}])])
@@ -85,3 +85,46 @@ def test_a_bad_conversation_names_its_index_and_queues_none(client, server):
             batch(client, messages=messages, max_tokens=2)
         assert bad.value.body["param"] == param, messages
     assert httpx.get(server.url + "/load").json() == {"server_load": 0}  # nothing was left queued
+
+
+TOOL_TURN = [
+    {"role": "user", "name": "ann", "content": [{"type": "text", "text": "What is the weather in Paris?"}]},
+    {"role": "assistant", "content": None, "tool_calls": [{"id": "call-1", "type": "function", "function": {
+        "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    {"role": "tool", "tool_call_id": "call-1", "content": "sunny, 21 C"},
+]
+GREEDY = {"temperature": 0, "max_completion_tokens": 8}
+# bodies that set every field the batch route takes; each conversation must get from the batch
+# what the chat route gives it alone (whose own tests check each field's effect)
+EVERY_FIELD = {
+    "penalties, stops, bias, truncation, no-ops": {
+        **GREEDY, "presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_penalty": 1.2,
+        "logit_bias": {"198": -5.0}, "stop": [" the"], "stop_token_ids": [30], "min_tokens": 2,
+        "ignore_eos": True, "skip_special_tokens": False, "include_stop_str_in_output": True, "cache_salt": "s1",
+        "seed": 3, "truncate_prompt_tokens": 40, "parallel_tool_calls": True, "n": 1, "user": "u-1",
+        "metadata": {"k": "v"}, "store": False, "service_tier": "auto", "max_tokens": 12},
+    "json schema": {**GREEDY, "max_completion_tokens": 16, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "colour", "strict": True, "schema": {"type": "object", "properties": {"c": {"type": "string"}},
+                                                     "required": ["c"]}}}},
+    "choice": {**GREEDY, "structured_outputs": {"choice": ["red", "blue", "green"]}},
+}
+
+
+@pytest.mark.parametrize("fields", list(EVERY_FIELD.values()), ids=list(EVERY_FIELD))
+def test_every_field_reaches_each_conversation_as_on_the_chat_route(client, fields):
+    conversations = [CONVERSATIONS[0], TOOL_TURN]
+    got = batch(client, messages=conversations, **fields)
+    for choice, messages in zip(got.choices, conversations, strict=True):
+        alone = client.chat.completions.create(model=MODEL, messages=messages, extra_body=fields)
+        assert (choice.message.content, choice.finish_reason) == \
+            (alone.choices[0].message.content, alone.choices[0].finish_reason), fields
+
+
+@pytest.mark.parametrize("cut", [{"top_k": 1}, {"top_p": 1e-6}, {"min_p": 1.0}])
+def test_sampling_cut_to_the_top_token_equals_greedy_in_every_conversation(client, cut):
+    """``top_k`` 1, a tiny ``top_p`` or ``min_p`` 1 leave only the most likely token: sampled at
+    temperature 1, each conversation's answer is its greedy one (a field dropped on the way would
+    sample from the whole vocabulary instead)."""
+    sampled = batch(client, messages=CONVERSATIONS, temperature=1.0, seed=11, max_tokens=8, **cut)
+    greedy = batch(client, messages=CONVERSATIONS, temperature=0, max_tokens=8)
+    assert [c.message.content for c in sampled.choices] == [c.message.content for c in greedy.choices]

@@ -157,3 +157,26 @@ def test_use_beam_search_returns_the_engines_beams(client, smollm_fp32, server):
     body = httpx.post(server.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 3, "n": 11,
                                                              "use_beam_search": True}).json()
     assert body["error"]["param"] == "n"
+
+
+def test_length_penalty_ranks_the_beams_and_is_refused_without_them(client, smollm_fp32, server):
+    """``length_penalty`` reaches the engine's ``BeamSearchParams`` on both routes (the beams equal
+    ``LLM.beam_search``'s with it, EOS allowed so lengths differ); without ``use_beam_search`` it
+    has no use, so it is a 400 naming it rather than ignored."""
+    from pagedllm import BeamSearchParams
+
+    chat_ids = smollm_fp32.get_tokenizer().apply_chat_template(MESSAGES)
+    default = smollm_fp32.beam_search([PROMPT], BeamSearchParams(beam_width=3, max_tokens=12))[0].sequences
+    for penalty in (0.0, 3.0):
+        params = BeamSearchParams(beam_width=3, max_tokens=12, length_penalty=penalty)
+        expected = smollm_fp32.beam_search([PROMPT, {"prompt_token_ids": chat_ids}], params)
+        assert [s.text for s in expected[0].sequences] != [s.text for s in default]  # it ranks these beams
+        r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, n=3,
+                                      extra_body={"use_beam_search": True, "length_penalty": penalty})
+        assert [c.text for c in r.choices] == [s.text for s in expected[0].sequences]
+        chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, n=3,
+                                              extra_body={"use_beam_search": True, "length_penalty": penalty})
+        assert [c.message.content for c in chat.choices] == [s.text for s in expected[1].sequences]
+    for route, body in (("/v1/completions", {"prompt": PROMPT}), ("/v1/chat/completions", {"messages": MESSAGES})):
+        error = httpx.post(server.url + route, json={**body, "max_tokens": 3, "length_penalty": 2.0}).json()["error"]
+        assert error["param"] == "length_penalty" and "use_beam_search" in error["message"]

@@ -36,6 +36,7 @@ from pagedllm.server.protocol import (
 )
 from pagedllm.server.responses import ResponsesRequest, ResponseStore, create_response
 from pagedllm.server.serving import TENANT, ClientDisconnected, ServerContext
+from pagedllm.server.tools import history_for
 
 DEFAULT_MAX_BODY_BYTES = 8 * 2**20
 
@@ -251,7 +252,8 @@ def build_app(ctx: ServerContext, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) 
             raise OpenAIError(400, "give exactly one of 'prompt' or 'messages'", "prompt")
         try:
             if req.messages is not None:
-                tokens = await ctx.apply_chat_template(conversation(req.messages), **req.template_kwargs())
+                tokens = await ctx.apply_chat_template(history_for(ctx.tokenizer, conversation(req.messages)),
+                                                       **req.template_kwargs())
             else:
                 tokens = await ctx.tokenize(req.prompt, "prompt", add_special_tokens=req.add_special_tokens)
         except InvalidRequest as exc:

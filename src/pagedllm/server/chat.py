@@ -25,11 +25,12 @@ from pagedllm.server.serving import (
     sse,
     unless_disconnected,
 )
-from pagedllm.server.tools import ToolPlan, ToolStream
+from pagedllm.server.tools import ToolPlan, ToolStream, history_for
 
 
 async def chat_prompt_ids(ctx: ServerContext, req: ChatCompletionRequest, plan: ToolPlan | None = None) -> list[int]:
-    """The conversation through the chat template (with the tools, ``server/tools.py``), as token
+    """The conversation through the chat template (with the tools, ``server/tools.py``; without,
+    a history's calls and results as the template can show them, ``history_for``), as token
     ids (400 if the model has none), sized and rendered off the event loop
     (``ServerContext.apply_chat_template``)."""
     if ctx.tokenizer is None:
@@ -39,6 +40,8 @@ async def chat_prompt_ids(ctx: ServerContext, req: ChatCompletionRequest, plan: 
         if plan is not None:
             messages, tools = plan.render(ctx.tokenizer, messages)
             kwargs |= tools
+        else:
+            messages = history_for(ctx.tokenizer, messages)
         return await ctx.apply_chat_template(messages, **kwargs)
     except ValueError as exc:
         raise OpenAIError(400, str(exc), "messages") from None

@@ -57,7 +57,8 @@ class OpenAIError(Exception):
 _FIELDS = {f.name for f in dataclasses.fields(SamplingParams)} | {"prompt", "messages", "max_completion_tokens",
                                                                   "top_logprobs", "response_format", "stream_options",
                                                                   "continue_final_message", "n", "echo",
-                                                                  "structured_outputs", "tool_choice"}
+                                                                  "structured_outputs", "tool_choice",
+                                                                  "length_penalty"}
 
 
 def _param_of(message: str) -> str | None:

@@ -153,6 +153,8 @@ class SamplingFields(_Request):
     def _stream_options_need_a_stream(self):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only allowed when stream is true")
+        if self.length_penalty != 1.0 and not self.use_beam_search:  # sampling has no use for it: not ignored
+            raise ValueError("length_penalty: only used with use_beam_search (it scores finished beams)")
         return self
 
     def truncated(self, prompt_ids: list[int], max_model_len: int) -> list[int]:
@@ -343,12 +345,13 @@ class BatchChatCompletionRequest(ChatCompletionRequest):
     # the chat fields this route does not take, each narrowed to its off value, so the schema says
     # it and anything else is a 400 naming the field (docs/api.md lists them)
     REFUSED_FIELDS: ClassVar[tuple[str, ...]] = ("stream", "stream_options", "tools", "tool_choice",
-                                                 "use_beam_search", "prompt_logprobs")
+                                                 "use_beam_search", "length_penalty", "prompt_logprobs")
     stream: Annotated[Literal[False], BeforeValidator(_bool_only)] = False
     stream_options: None = None
     tools: None = None
     tool_choice: Literal["none"] | None = None
     use_beam_search: Annotated[Literal[False], BeforeValidator(_bool_only)] = False
+    length_penalty: Annotated[float, Field(ge=1.0, le=1.0)] = 1.0
     prompt_logprobs: None = None
     n: Int(ge=1, le=1) = 1
 

@@ -57,9 +57,20 @@ def call_block(name: str, arguments: dict) -> str:
 
 def hermes_messages(messages: list[dict], tools: list[Tool]) -> list[dict]:
     """The conversation for a template without tools: the tools listed in the system prompt,
-    calls and results written as text in the Hermes layout."""
+    calls and results written as text in the Hermes layout (``hermes_turns``)."""
     listed = TOOLS_PROMPT.format(tools="\n".join(json.dumps(t.model_dump(exclude_none=True), ensure_ascii=False)
                                                  for t in tools))
+    out = hermes_turns(messages)
+    if out and out[0]["role"] == "system":
+        out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{listed}"}
+    else:
+        out.insert(0, {"role": "system", "content": listed})
+    return out
+
+
+def hermes_turns(messages: list[dict]) -> list[dict]:
+    """An assistant turn's ``tool_calls`` as ``<tool_call>`` blocks after its content, and a
+    ``tool`` message's content in ``<tool_response>``: for a template that renders neither."""
     out = []
     for m in messages:
         m = dict(m)
@@ -70,11 +81,17 @@ def hermes_messages(messages: list[dict], tools: list[Tool]) -> list[dict]:
             m.pop("tool_call_id", None)
             m["content"] = f"<tool_response>\n{m['content']}\n</tool_response>"
         out.append(m)
-    if out and out[0]["role"] == "system":
-        out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{listed}"}
-    else:
-        out.insert(0, {"role": "system", "content": listed})
     return out
+
+
+def history_for(tokenizer, messages: list[dict]) -> list[dict]:
+    """A conversation without ``tools`` in the request, for this tokenizer's template: as it is
+    where the template renders tools (and so their calls), else its calls and results as Hermes
+    text (``hermes_turns``), so that no turn of the history is dropped from the prompt (SmolLM2's
+    template renders neither ``tool_calls`` nor their arguments)."""
+    if template_takes_tools(tokenizer) or not any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
+        return messages
+    return hermes_turns(messages)
 
 
 def _call_schema(tool: Tool) -> dict:
