@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
+from collections.abc import Awaitable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -161,6 +162,14 @@ def tokenizer_description(hf) -> dict:
             "vocab_size": len(hf), "model_max_length": plain.get("model_max_length")}
 
 
+async def _answer(work: Awaitable):
+    """A generating route's answer, or 499 when its client hung up before it (its requests aborted)."""
+    try:
+        return await work
+    except ClientDisconnected:
+        return Response(status_code=499)
+
+
 def build_app(ctx: ServerContext, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     app = FastAPI(title="pagedllm", version=pagedllm.__version__, docs_url=None, redoc_url=None)
     app.state.ctx = ctx
@@ -175,25 +184,16 @@ def build_app(ctx: ServerContext, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) 
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request):
-        try:
-            return await create_completion(ctx, req, raw)
-        except ClientDisconnected:
-            return Response(status_code=499)
+        return await _answer(create_completion(ctx, req, raw))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, raw: Request):
-        try:
-            return await create_chat_completion(ctx, req, raw)
-        except ClientDisconnected:
-            return Response(status_code=499)
+        return await _answer(create_chat_completion(ctx, req, raw))
 
     @app.post("/v1/chat/completions/batch")
     async def chat_completions_batch(req: BatchChatCompletionRequest, raw: Request):
         """vLLM's batch route: ``messages`` a list of conversations, one choice each (docs/api.md)."""
-        try:
-            return await create_batch_chat_completion(ctx, req, raw)
-        except ClientDisconnected:
-            return Response(status_code=499)
+        return await _answer(create_batch_chat_completion(ctx, req, raw))
 
     def model_card() -> dict:
         return {"id": ctx.model_name, "object": "model", "created": ctx.created, "owned_by": "pagedllm",
@@ -203,10 +203,7 @@ def build_app(ctx: ServerContext, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) 
 
     @app.post("/v1/responses")
     async def responses(req: ResponsesRequest, raw: Request):
-        try:
-            return await create_response(ctx, req, raw, responses_store)
-        except ClientDisconnected:
-            return Response(status_code=499)
+        return await _answer(create_response(ctx, req, raw, responses_store))
 
     # not in /openapi.json: its body is either route's, a union schemathesis cannot generate; the
     # answers are theirs (tests/server/test_strict_requests.py checks the route)

@@ -135,7 +135,7 @@ def _apply_model_bounds(schemas: dict, ctx: ServerContext) -> None:
     _bound_integers(schemas, engine.config.model.vocab_size)
     max_model_len = engine.config.scheduler.max_model_len
     limits = ctx.limits
-    for name in ("CompletionRequest", "ChatCompletionRequest"):
+    for name in ("CompletionRequest", "ChatCompletionRequest", "BatchChatCompletionRequest"):
         props = schemas[name]["properties"]
         props["structured_outputs"] = _nullable(STRUCTURED_OUTPUTS_SCHEMA)
         for field in ("max_tokens", "max_completion_tokens", "min_tokens"):
