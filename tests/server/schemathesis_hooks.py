@@ -20,7 +20,9 @@ CROSS_FIELD_CODES = {"context_length_exceeded", "invalid_response_format"}
 CROSS_FIELD_MESSAGES = re.compile("|".join([
     r"min_tokens \(\d+\) must be at most max_tokens",                 # min_tokens <= max_tokens
     r"sequences \(prompts x n\)",                                      # prompts x n within the capacity
-    r"token id \d+ in the sampling params is outside the vocabulary",  # logit_bias keys < vocabulary
+    r"[a-z_]+: token id \d+ is outside the vocabulary",               # logit_bias keys < vocabulary
+    r"^truncation_side: only used with truncate_prompt_tokens",
+    r"^logprob_token_ids: only used with logprobs",
     r"response_format and structured_outputs cannot both be given",
     r"response_format\.json_schema\.schema is required",
     r"^structured_outputs",                                            # a JSON schema's text, regex, grammar

@@ -107,6 +107,10 @@ EVERY_FIELD = {
         "name": "colour", "strict": True, "schema": {"type": "object", "properties": {"c": {"type": "string"}},
                                                      "required": ["c"]}}}},
     "choice": {**GREEDY, "structured_outputs": {"choice": ["red", "blue", "green"]}},
+    "allowed and named tokens, cut from the right": {
+        **GREEDY, "allowed_token_ids": [42, 77, 2], "logprobs": True, "logprob_token_ids": [42, 5000],
+        "return_tokens_as_token_ids": True, "truncate_prompt_tokens": 30, "truncation_side": "right",
+        "bad_words": ["blue"]},
 }
 
 

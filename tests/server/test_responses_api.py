@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -77,3 +78,38 @@ def test_function_calls_and_their_output_continue_a_stored_response(client):
     with pytest.raises(openai.BadRequestError) as unknown:
         client.responses.create(model=MODEL, input="Hi", extra_body={"reasoning": {"effort": "low"}})
     assert unknown.value.body["code"] == "unsupported_parameter"
+
+
+def test_a_stored_response_is_retrieved_and_deleted(client):
+    stored = client.responses.create(model=MODEL, input="Name a colour.", max_output_tokens=4, temperature=0,
+                                     store=True)
+    again = client.responses.retrieve(stored.id)
+    assert again.model_dump() == stored.model_dump()
+    streamed = [e for e in client.responses.create(model=MODEL, input="Name a fruit.", max_output_tokens=4,
+                                                   temperature=0, store=True, stream=True)]
+    final = streamed[-1].response
+    assert client.responses.retrieve(final.id).model_dump() == final.model_dump()
+    deleted = client.responses.delete(stored.id)  # the SDK returns None; the body is checked raw below
+    assert deleted is None
+    with pytest.raises(openai.NotFoundError) as gone:
+        client.responses.retrieve(stored.id)
+    assert gone.value.body["code"] == "response_not_found"
+    with pytest.raises(openai.BadRequestError):  # nor can a conversation continue from it
+        client.responses.create(model=MODEL, input="Hi", previous_response_id=stored.id)
+    raw = client.with_raw_response.responses.delete(final.id)
+    assert raw.http_response.json() == {"id": final.id, "object": "response", "deleted": True}
+    with pytest.raises(openai.NotFoundError):
+        client.responses.delete(final.id)
+    unstored = client.responses.create(model=MODEL, input="Hi", max_output_tokens=2)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
+    stored = client.responses.create(model=MODEL, input="Hi", max_output_tokens=2, store=True)
+    with pytest.raises(openai.BadRequestError) as unsupported:
+        client.responses.retrieve(stored.id, include=["message.output_text.logprobs"])
+    assert (unsupported.value.body["code"], unsupported.value.body["param"]) == ("unsupported_parameter",
+                                                                                   "include")
+
+
+def test_a_method_the_stored_response_path_lacks_is_a_405_naming_both(server):
+    r = httpx.request("PUT", server.url + "/v1/responses/resp_x")
+    assert r.status_code == 405 and r.headers["Allow"] == "DELETE, GET"  # Starlette named only the first route's

@@ -39,9 +39,9 @@ def test_an_unimplemented_field_is_a_400_naming_it(client):
     assert (body["code"], body["param"]) == ("unsupported_parameter", "functions")
     assert "'functions'" in body["message"] and "POST /v1/chat/completions" in body["message"]
     body = refused(lambda: client.completions.create(model=MODEL, prompt="Hi", max_tokens=4,
-                                                     extra_body={"return_tokens_as_token_ids": True, "priority": 1}))
-    assert body["code"] == "unsupported_parameter" and body["param"] == "return_tokens_as_token_ids"
-    assert "'return_tokens_as_token_ids', 'priority'" in body["message"] and "parameters" in body["message"]
+                                                     extra_body={"guided_json": {"type": "object"}, "priority": 1}))
+    assert body["code"] == "unsupported_parameter" and body["param"] == "guided_json"  # vLLM's old name
+    assert "'guided_json', 'priority'" in body["message"] and "parameters" in body["message"]
 
 
 def test_a_nested_unknown_field_is_named_with_its_path(client, server):

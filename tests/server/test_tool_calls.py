@@ -47,7 +47,7 @@ def test_a_required_call_is_made_and_validates(client):
         assert_valid_calls(c.message.tool_calls)
 
 
-def test_a_named_call_streams_as_it_is_returned_whole(client):
+def test_a_named_call_streams_its_arguments_as_they_come_and_adds_up_to_the_whole(client):
     choice = {"type": "function", "function": {"name": "get_time"}}
     whole = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=choice,
                                            max_tokens=60, temperature=0).choices[0]
@@ -55,8 +55,11 @@ def test_a_named_call_streams_as_it_is_returned_whole(client):
     chunks = list(client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=choice,
                                                  max_tokens=60, temperature=0, stream=True))
     deltas = [d for c in chunks if c.choices for d in (c.choices[0].delta.tool_calls or [])]
-    assert [(d.index, d.function.name, d.function.arguments) for d in deltas] == \
-        [(0, c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+    first, *more = deltas
+    assert (first.index, first.type, first.function.name) == (0, "function", "get_time") and first.id
+    assert len(more) > 2 and all(d.index == 0 and d.id is None and d.function.name is None for d in more)
+    (call,) = whole.message.tool_calls
+    assert "".join(d.function.arguments for d in deltas) == call.function.arguments
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
     assert all(not (c.choices and c.choices[0].delta.content) for c in chunks)
 
@@ -74,7 +77,8 @@ def test_a_call_its_result_and_the_answer(client, server):
     assert answer.choices[0].message.content or answer.choices[0].message.tool_calls
     prompt = httpx.post(server.url + "/detokenize", json={"tokens": answer.prompt_token_ids}).json()["prompt"]
     assert "<tools>" in prompt and '"name": "get_weather"' in prompt  # the tools, listed in the system prompt
-    assert f'"name": "{call.function.name}", "arguments": {call.function.arguments}' in prompt  # the call
+    arguments = json.dumps(json.loads(call.function.arguments))  # the model's text of them, re-written
+    assert f'"name": "{call.function.name}", "arguments": {arguments}' in prompt  # the call
     assert '<tool_response>\n{"celsius": 21}\n</tool_response>' in prompt  # its result
 
 
@@ -90,3 +94,15 @@ def test_tool_choice_refusals(client, server):
         {"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": "not json"}}]}]
     r = httpx.post(server.url + "/v1/chat/completions", json={"messages": bad_history, "tools": TOOLS})
     assert r.status_code == 400 and "arguments must be a JSON object" in r.json()["error"]["message"]
+
+
+def test_tokenize_with_tools_counts_the_prompt_the_chat_route_sends(client, server):
+    """``/tokenize`` with ``tools`` renders them as the chat route does (here: the Hermes system
+    prompt), so its count is the prompt's; it was a 400 (no such field)."""
+    strict = [{**t, "function": {**t["function"], "strict": True}} for t in TOOLS]
+    chat = client.chat.completions.create(model=MODEL, messages=ASK, tools=strict, max_tokens=1, temperature=0,
+                                          extra_body={"return_token_ids": True})
+    got = httpx.post(server.url + "/tokenize", json={"model": MODEL, "messages": ASK, "tools": strict})
+    assert got.status_code == 200 and got.json()["tokens"] == chat.prompt_token_ids
+    plain = httpx.post(server.url + "/tokenize", json={"model": MODEL, "messages": ASK}).json()
+    assert plain["count"] < got.json()["count"]

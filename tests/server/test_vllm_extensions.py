@@ -1,8 +1,11 @@
 """vLLM's request extensions (issue 22, item 5) with the official ``openai`` client against the real
 ``pagedllm serve`` of tests/server/conftest.py (the embedded SmolLM2 in float32, so greedy answers
 equal ``LLM.generate``'s): ``return_token_ids``, ``prompt_logprobs``, ``continuous_usage_stats``,
-``truncate_prompt_tokens``, ``continue_final_message`` with chat ``echo``, ``/tokenize``'s
-``return_token_strs``. Each was accepted and ignored before (a 200 without what was asked)."""
+``truncate_prompt_tokens`` with ``truncation_side``, ``continue_final_message`` with chat ``echo``,
+``/tokenize``'s ``return_token_strs``, ``allowed_token_ids``, ``logprob_token_ids``,
+``return_tokens_as_token_ids`` and ``bad_words``. Each was accepted and ignored before (a 200
+without what was asked), or, the last four and ``truncation_side``, refused until vLLM's own
+entrypoint tests asked for them (scripts/vllm_entrypoint_tests.py)."""
 
 from __future__ import annotations
 
@@ -83,9 +86,10 @@ def test_continuous_usage_stats_put_usage_in_every_chunk(client):
                    lambda **kw: client.chat.completions.create(messages=MESSAGES, **kw)):
         chunks = list(create(model=MODEL, max_tokens=5, temperature=0, stream=True, extra_body={"ignore_eos": True},
                              stream_options={"include_usage": True, "continuous_usage_stats": True}))
-        with_choices = [c for c in chunks if c.choices and c.usage is not None]
-        counts = [c.usage.completion_tokens for c in with_choices]
-        assert counts == sorted(counts) and counts[-1] == 5 and chunks[-1].usage.completion_tokens == 5
+        assert all(c.usage is not None for c in chunks)  # every chunk, the chat route's first (its role) too
+        counts = [c.usage.completion_tokens for c in chunks]
+        assert counts == sorted(counts) and counts[-1] == 5 and chunks[0].usage.prompt_tokens > 0
+        assert all(c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens for c in chunks)
         plain = list(create(model=MODEL, max_tokens=3, temperature=0, stream=True,
                             stream_options={"include_usage": True}))
         assert all(c.usage is None for c in plain[:-1]) and plain[-1].usage.completion_tokens == 3
@@ -104,6 +108,13 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(client, smollm_fp32):
     whole = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1,
                                       extra_body={"truncate_prompt_tokens": -1})  # -1: up to max_model_len
     assert whole.usage.prompt_tokens == len(ids)
+    for side, kept in (("right", ids[:3]), ("left", ids[-3:])):  # vLLM's truncation_side: which end is cut
+        cut = client.completions.create(model=MODEL, prompt=ids, max_tokens=1, temperature=0, extra_body={
+            "truncate_prompt_tokens": 3, "truncation_side": side, "return_token_ids": True})
+        assert cut.choices[0].prompt_token_ids == kept
+    with pytest.raises(openai.BadRequestError) as alone:
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, extra_body={"truncation_side": "left"})
+    assert alone.value.body["param"] == "truncation_side"
 
 
 def test_continue_final_message_and_chat_echo(client, smollm_fp32, server):
@@ -132,7 +143,7 @@ def test_tokenize_returns_token_strings(server, smollm_fp32):
     body = httpx.post(server.url + "/tokenize", json={"prompt": PROMPT, "return_token_strs": True}).json()
     assert body["tokens"] == tok.encode(PROMPT)
     assert body["token_strs"] == tok.hf.convert_ids_to_tokens(body["tokens"])
-    assert "token_strs" not in httpx.post(server.url + "/tokenize", json={"prompt": PROMPT}).json()
+    assert httpx.post(server.url + "/tokenize", json={"prompt": PROMPT}).json()["token_strs"] is None  # as vLLM
 
 
 def test_use_beam_search_returns_the_engines_beams(client, smollm_fp32, server):
@@ -180,3 +191,51 @@ def test_length_penalty_ranks_the_beams_and_is_refused_without_them(client, smol
     for route, body in (("/v1/completions", {"prompt": PROMPT}), ("/v1/chat/completions", {"messages": MESSAGES})):
         error = httpx.post(server.url + route, json={**body, "max_tokens": 3, "length_penalty": 2.0}).json()["error"]
         assert error["param"] == "length_penalty" and "use_beam_search" in error["message"]
+
+
+def test_allowed_token_ids_logprob_token_ids_and_tokens_as_ids(client, smollm_fp32):
+    """vLLM's ``allowed_token_ids`` (only those are sampled), ``logprob_token_ids`` (the logprobs of
+    exactly those tokens and the chosen one, in place of the top ones; the engine's raw values)
+    and ``return_tokens_as_token_ids`` (``token_id:<id>``), on both routes, streamed or not."""
+    tok = smollm_fp32.get_tokenizer()
+    named = [5000, 42]
+    expected = engine_greedy(smollm_fp32, PROMPT, max_tokens=2, allowed_token_ids=[42, 77],
+                             logprob_token_ids=named).outputs[0]
+    assert set(expected.token_ids) <= {42, 77}
+    extra = {"logprob_token_ids": named, "allowed_token_ids": [42, 77], "return_tokens_as_token_ids": True}
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0, logprobs=5,
+                                  extra_body=extra)
+    lp = r.choices[0].logprobs
+    assert lp.tokens == [f"token_id:{t}" for t in expected.token_ids]
+    for token, entry, top in zip(expected.token_ids, expected.logprobs, lp.top_logprobs, strict=True):
+        assert top == pytest.approx({f"token_id:{t}": entry[t].logprob for t in {token, *named}}, abs=1e-5)
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0, logprobs=5,
+                                            stream=True, extra_body=extra))
+    streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.top_logprobs]
+    assert streamed == lp.top_logprobs
+    chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, temperature=0, logprobs=True,
+                                          extra_body=extra)
+    for item in chat.choices[0].logprobs.content:
+        assert item.token.startswith("token_id:") and int(item.token[9:]) in (42, 77)
+        assert {e.token for e in item.top_logprobs} == {item.token, *(f"token_id:{t}" for t in named)}
+    words = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, temperature=0, logprobs=1,
+                                      extra_body={"return_tokens_as_token_ids": False})
+    assert words.choices[0].logprobs.tokens == [words.choices[0].text] != [tok.decode([42])]
+    for bad, param in (({"logprob_token_ids": named}, "logprob_token_ids"),  # needs logprobs
+                       ({"logprob_token_ids": [10**7], "logprobs": 1}, "logprob_token_ids"),
+                       ({"allowed_token_ids": []}, "allowed_token_ids")):
+        got = httpx.post(client.base_url.join("completions").__str__(), json={"prompt": PROMPT, **bad})
+        assert got.status_code == 400 and got.json()["error"]["param"] == param, got.json()
+
+
+def test_bad_words_are_never_generated_as_the_engine_does(client, smollm_fp32):
+    plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0).choices[0].text
+    word = plain.split()[0]  # the greedy answer's first word, forbidden next
+    expected = engine_greedy(smollm_fp32, PROMPT, max_tokens=4, bad_words=[word]).outputs[0].text
+    for create in (lambda **kw: client.completions.create(prompt=PROMPT, **kw).choices[0].text,
+                   lambda **kw: client.chat.completions.create(
+                       messages=[{"role": "user", "content": PROMPT}], **kw).choices[0].message.content):
+        got = create(model=MODEL, max_tokens=4, temperature=0, extra_body={"bad_words": [word]})
+        assert word not in got.split()
+    assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0,
+                                     extra_body={"bad_words": [word]}).choices[0].text == expected != plain

@@ -95,6 +95,26 @@ def test_sampler_logprobs_are_of_the_raw_distribution_even_with_penalties():
     assert tokens[1] == int(logits[1].argmax())
 
 
+def test_logprob_token_ids_give_those_tokens_raw_logprobs_and_ranks_with_allowed_tokens():
+    """vLLM's ``logprob_token_ids``: exactly the named tokens, in order, at their raw log-probability
+    and rank, beside a row with plain top-k logprobs; ``allowed_token_ids`` limits the draw only."""
+    logits = random_logits(2, 7)
+    reqs = [request(temperature=0, logprob_token_ids=[40, 3, 17], allowed_token_ids=[42, 3]),
+            request(temperature=0, logprobs=2)]
+    tokens, lps = Sampler().sample(logits.clone(), reqs, [None, None])
+    raw = torch.log_softmax(logits, dim=-1)
+    assert tokens[0] == max((42, 3), key=lambda t: float(logits[0, t]))
+    assert [t for t, _ in lps[0].top] == [40, 3, 17]
+    assert [v for _, v in lps[0].top] == pytest.approx([float(raw[0, t]) for t in (40, 3, 17)], abs=1e-6)
+    assert lps[0].top_ranks == [1 + int((raw[0] > raw[0, t]).sum()) for t in (40, 3, 17)]
+    assert [t for t, _ in lps[1].top] == raw[1].topk(2).indices.tolist() and lps[1].top_ranks is None
+    with pytest.raises(ValueError, match="logprob_token_ids"):
+        SamplingParams(logprobs=5, logprob_token_ids=[1, 2])  # with logprobs, their numbers must agree
+    with pytest.raises(ValueError, match="logprob_token_ids"):
+        SamplingParams(logprob_token_ids=list(range(129)))
+    assert SamplingParams(logprob_token_ids=[1]).token_ids_to_check() == [("logprob_token_ids", 1)]  # vocab-checked
+
+
 @settings(max_examples=60, deadline=None)
 @given(seed=st.integers(0, 10_000), top_k=st.sampled_from([-1, 0, 1, 2, 7, 49, 50, 80]),
        top_p=st.sampled_from([1.0, 0.99, 0.8, 0.5, 0.1, 0.001]), min_p=st.sampled_from([0.0, 0.05, 0.3, 1.0]))

@@ -49,4 +49,4 @@ def test_token_ids_may_be_numpy_or_torch_integers():
     assert p.allowed_token_ids == [7, 9]
     assert p.logit_bias == {5: 2.5, 6: -100.0}  # clamped to [-100, 100], as OpenAI does
     assert p.has_logits_processors
-    assert sorted(p.token_ids_to_check()) == [3, 4, 5, 6, 7, 9]
+    assert sorted(t for _, t in p.token_ids_to_check()) == [3, 4, 5, 6, 7, 9]

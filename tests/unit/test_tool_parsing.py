@@ -1,6 +1,8 @@
 """Finding tool calls in free output (``tool_choice: auto``, ``server/tools.py``): the Hermes and
 JSON parsers, the streamed split (content as it comes, calls at the end) equal to the whole one for
-any chunking, and the tools rendered by a template that takes them or listed in a system prompt."""
+any chunking; made calls (``required``, named) streamed as they are generated, their argument
+deltas adding up to the whole body's arguments for any chunking; and the tools rendered by a
+template that takes them or listed in a system prompt."""
 
 from __future__ import annotations
 
@@ -62,6 +64,59 @@ def test_streamed_content_and_calls_equal_the_whole_split(text, cuts, parser):
     content, expected = p.split(text)
     assert names_and_args(calls) == names_and_args(expected)
     assert sent + rest == (text if not expected else content or "")
+
+
+MADE = [  # outputs the grammar lets through for required (an array) and named (one object) calls
+    '[{"name": "get_weather", "arguments": {"city": "Paris"}}]',
+    '[ {"name":"get_weather","arguments":{"city":"Pa\\"ri}s{", "n": [1, {"name": "x"}]}} ,\n'
+    ' {"arguments": {"city": "Oslo"}, "name": "get_time"} ]',
+    '{"name": "get_time", "arguments": {}}',
+    '{"name": "get_time", "arguments": {"a": {"b": {"c": "}]\\\\"}}, "d": -1.5e3}}',
+]
+
+
+@given(text=st.sampled_from(MADE), cuts=st.lists(st.integers(0, 120), max_size=10),
+       choice=st.sampled_from(["required", {"type": "function", "function": {"name": "get_weather"}}]))
+def test_made_calls_stream_deltas_that_add_up_to_the_whole_calls(text, cuts, choice):
+    p = plan("hermes", choice)
+    bounds = sorted({min(c, len(text)) for c in cuts} | {0, len(text)})
+    stream, content, deltas = ToolStream(p), "", []
+    for a, b in zip(bounds, bounds[1:], strict=False):
+        content += stream.feed(text[a:b])
+        got = stream.call_deltas()
+        assert len({d["index"] for d in got}) == len(got)  # one entry per call in a chunk
+        deltas += got
+    rest, more = stream.finish()
+    deltas += more
+    assert content + rest == ""
+    whole = p.split(text)[1]
+    built: dict[int, dict] = {}
+    for d in deltas:
+        if d["index"] not in built:  # a call's first delta: id, type, name
+            assert d["id"].startswith("call_") and d["type"] == "function" and d["function"]["name"]
+            built[d["index"]] = {"id": d["id"], "name": d["function"]["name"], "arguments": ""}
+        else:
+            assert set(d) == {"index", "function"} and set(d["function"]) == {"arguments"}
+        built[d["index"]]["arguments"] += d["function"]["arguments"]
+    assert sorted(built) == list(range(len(whole)))
+    assert [(b["name"], b["arguments"]) for _, b in sorted(built.items())] == \
+        [(c["function"]["name"], c["function"]["arguments"]) for c in whole]
+    assert [c["id"] for c in stream.calls] == [b["id"] for _, b in sorted(built.items())]
+    for c in whole:  # the arguments are the model's own text of them, and they parse
+        assert c["function"]["arguments"] in text and isinstance(json.loads(c["function"]["arguments"]), dict)
+
+
+def test_a_made_call_cut_short_streams_what_was_generated():
+    p = plan("hermes", "required")
+    stream = ToolStream(p)
+    stream.feed('[{"name": "get_weather", "arguments": {"city": "Pa')
+    first = stream.call_deltas()
+    assert first == [{"index": 0, "id": first[0]["id"], "type": "function",
+                      "function": {"name": "get_weather", "arguments": '{"city": "Pa'}}]
+    assert stream.finish() == ("", []) and stream.calls == []  # cut: no whole call, nothing more to send
+    early = ToolStream(p)
+    early.feed('[{"na')
+    assert early.call_deltas() == [] and early.finish() == ('[{"na', [])  # no name yet: the text is content
 
 
 class _Tok:

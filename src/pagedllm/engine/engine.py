@@ -246,9 +246,9 @@ class Engine:
     def _check_params(self, params: SamplingParams) -> list[list[int]]:
         """Token ids named by the params must exist; returns the bad words as token-id sequences."""
         vocab = self.config.model.vocab_size
-        bad = [t for t in params.token_ids_to_check() if t >= vocab]
+        bad = [(name, t) for name, t in params.token_ids_to_check() if t >= vocab]
         if bad:
-            raise InvalidRequest(f"token id {bad[0]} in the sampling params is outside the vocabulary [0, {vocab})")
+            raise InvalidRequest(f"{bad[0][0]}: token id {bad[0][1]} is outside the vocabulary [0, {vocab})")
         if not params.bad_words:
             return []
         if self.tokenizer is None:

@@ -32,7 +32,8 @@ def to_logprob_dict(lp: TokenLogprobs, tokenizer: Tokenizer | None) -> dict[int,
     ids = [lp.token_id, *(t for t, _ in lp.top)]
     texts = tokenizer.decode_each(ids) if tokenizer is not None else [None] * len(ids)
     out = {lp.token_id: Logprob(lp.logprob, lp.rank, texts[0])}
-    for rank, ((token, value), text) in enumerate(zip(lp.top, texts[1:], strict=True), start=1):
+    ranks = lp.top_ranks or range(1, len(lp.top) + 1)
+    for rank, (token, value), text in zip(ranks, lp.top, texts[1:], strict=True):
         out.setdefault(token, Logprob(value, rank, text))
     return out
 

@@ -31,6 +31,7 @@ class TokenLogprobs:
     logprob: float
     rank: int                          # 1 = the most likely token
     top: list[tuple[int, float]]       # (token id, logprob), most likely first
+    top_ranks: list[int] | None = None  # each top entry's rank, where top is not the top k (logprob_token_ids)
 
 
 def draw(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> list[int]:
@@ -174,6 +175,14 @@ def logprobs_of(logits: torch.Tensor, token_ids: Sequence[int], k: int) -> list[
             for i, t in enumerate(token_ids)]
 
 
+def named_logprobs(logits: torch.Tensor, token_ids: Sequence[int]) -> tuple[list[tuple[int, float]], list[int]]:
+    """``logprob_token_ids``: ((token id, logprob) in the order given, their ranks) under one row of logits [V]."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    values = logp[torch.tensor(token_ids, device=logits.device, dtype=torch.long)]
+    ranks = ((logp.unsqueeze(0) > values.unsqueeze(1)).sum(-1) + 1).tolist()
+    return list(zip(token_ids, values.tolist(), strict=True)), ranks
+
+
 class Sampler:
     """Samples one token per row of a logits batch."""
 
@@ -195,14 +204,19 @@ class Sampler:
             rows = torch.tensor(processed, device=logits.device)
             logits[rows] = apply_logits_processors(logits[rows], [reqs[i] for i in processed])
         tokens = self._choose(logits, reqs, generators)
-        wanted = [i for i, r in enumerate(reqs) if r.sampling_params.logprobs is not None]
+        wanted = [i for i, r in enumerate(reqs) if r.sampling_params.wants_logprobs]
         if not wanted:
             return tokens, {}
-        k = max(reqs[i].sampling_params.logprobs for i in wanted)
+        k = max((reqs[i].sampling_params.logprobs for i in wanted
+                 if reqs[i].sampling_params.logprob_token_ids is None), default=0)
         lps = logprobs_of(raw[torch.tensor(wanted, device=raw.device)], [tokens[i] for i in wanted], k)
         out = {}
         for i, lp in zip(wanted, lps, strict=True):
-            lp.top = lp.top[:reqs[i].sampling_params.logprobs]
+            named = reqs[i].sampling_params.logprob_token_ids
+            if named is None:
+                lp.top = lp.top[:reqs[i].sampling_params.logprobs]
+            else:
+                lp.top, lp.top_ranks = named_logprobs(raw[i], named)
             out[i] = lp
         return tokens, out
 
@@ -212,7 +226,7 @@ class Sampler:
         rows = [i for i, r in enumerate(reqs) if r.request_id in grammar.rows]
         if not rows:
             return logits
-        if any(reqs[i].sampling_params.logprobs is not None for i in rows):
+        if any(reqs[i].sampling_params.wants_logprobs for i in rows):
             logits = logits.clone()
         order = [grammar.rows[reqs[i].request_id] for i in rows]
         bitmask = grammar.bitmask if order == list(range(len(grammar.rows))) else grammar.bitmask[order]

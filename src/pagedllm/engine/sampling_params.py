@@ -7,7 +7,9 @@ act on the generated tokens (OpenAI's definition), ``repetition_penalty`` > 0 on
 generated tokens (1 = off). ``logit_bias`` adds to the logits of the given token ids (clamped to
 [-100, 100] as OpenAI does); ``allowed_token_ids`` keeps only those tokens; ``bad_words`` are
 never generated; ``min_tokens`` holds back EOS, stop token ids and stop strings until that many
-tokens exist. Token-id ranges are checked against the model's vocabulary by the engine.
+tokens exist. ``logprob_token_ids`` (vLLM's): the log-probabilities of exactly these tokens at each
+generated position (with their ranks), in place of the top ``logprobs``. Token-id ranges are
+checked against the model's vocabulary by the engine.
 ``structured_outputs`` (``StructuredOutputsParams``) constrains the output to a JSON schema, any
 JSON object, a regex, one of a list of strings or a grammar (``engine/structured_output.py``).
 """
@@ -21,6 +23,7 @@ from dataclasses import dataclass, field
 
 SAMPLING_EPS = 1e-5  # temperatures below this are greedy, as in vLLM
 MAX_LOGPROBS = 20
+MAX_LOGPROB_TOKEN_IDS = 128  # the most tokens logprob_token_ids may name, as vLLM
 
 
 class RequestOutputKind(enum.Enum):
@@ -158,6 +161,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
+    logprob_token_ids: list[int] | None = None  # logprobs of exactly these tokens at each generated position
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None  # JSON schema / json_object / regex / choice / grammar
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
@@ -199,6 +203,14 @@ class SamplingParams:
             self.allowed_token_ids = self._id_list(self.allowed_token_ids, "allowed_token_ids")
             if not self.allowed_token_ids:
                 raise ValueError("allowed_token_ids must not be empty")
+        if self.logprob_token_ids is not None:
+            self.logprob_token_ids = self._id_list(self.logprob_token_ids, "logprob_token_ids")
+            if not 1 <= len(self.logprob_token_ids) <= MAX_LOGPROB_TOKEN_IDS:
+                raise ValueError(f"logprob_token_ids must name 1..{MAX_LOGPROB_TOKEN_IDS} tokens, "
+                                 f"got {len(self.logprob_token_ids)}")
+            if self.logprobs is not None and self.logprobs != len(self.logprob_token_ids):
+                raise ValueError(f"logprob_token_ids: with logprobs too, logprobs must equal their number "
+                                 f"({len(self.logprob_token_ids)}), got {self.logprobs}")
         if self.logit_bias is not None:
             self.logit_bias = self._bias(self.logit_bias)
         if not isinstance(self.output_kind, RequestOutputKind):
@@ -262,6 +274,12 @@ class SamplingParams:
         return bool(self.has_penalties or self.logit_bias or self.allowed_token_ids or self.bad_words
                     or self.min_tokens)
 
-    def token_ids_to_check(self) -> list[int]:
-        """Every token id the request names (for the engine's vocabulary check)."""
-        return [*self.stop_token_ids, *(self.allowed_token_ids or ()), *(self.logit_bias or ())]
+    @property
+    def wants_logprobs(self) -> bool:
+        """Log-probabilities at each generated position: the top ``logprobs`` or ``logprob_token_ids``."""
+        return self.logprobs is not None or self.logprob_token_ids is not None
+
+    def token_ids_to_check(self) -> list[tuple[str, int]]:
+        """Every token id the request names, with the field naming it (for the engine's vocabulary check)."""
+        return [(name, t) for name in ("stop_token_ids", "allowed_token_ids", "logit_bias", "logprob_token_ids")
+                for t in getattr(self, name) or ()]

@@ -37,7 +37,7 @@ from pagedllm.server.protocol import (
 )
 from pagedllm.server.responses import ResponsesRequest, ResponseStore, create_response
 from pagedllm.server.serving import TENANT, ClientDisconnected, ServerContext
-from pagedllm.server.tools import history_for
+from pagedllm.server.tools import ToolPlan, history_for
 
 DEFAULT_MAX_BODY_BYTES = 8 * 2**20
 
@@ -205,6 +205,22 @@ def build_app(ctx: ServerContext, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) 
     async def responses(req: ResponsesRequest, raw: Request):
         return await _answer(create_response(ctx, req, raw, responses_store))
 
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str, raw: Request):
+        """A stored response (``store: true``), as ``client.responses.retrieve`` reads it. Its query
+        parameters (``include``, ``stream``: replaying a background response's events) are not
+        implemented: each is a 400 naming it."""
+        for name in raw.query_params:
+            name = name.removesuffix("[]")  # a list parameter, as the openai client spells it
+            raise OpenAIError(400, f"{name}: not supported when retrieving a response on this server", name,
+                              "unsupported_parameter")
+        return responses_store.body(response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str):
+        """Forgets a stored response, as ``client.responses.delete`` asks."""
+        return responses_store.delete(response_id)
+
     # not in /openapi.json: its body is either route's, a union schemathesis cannot generate; the
     # answers are theirs (tests/server/test_strict_requests.py checks the route)
     @app.post("/invocations", include_in_schema=False)
@@ -248,16 +264,22 @@ def build_app(ctx: ServerContext, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) 
         if (req.prompt is None) == (req.messages is None):
             raise OpenAIError(400, "give exactly one of 'prompt' or 'messages'", "prompt")
         try:
-            if req.messages is not None:
-                tokens = await ctx.apply_chat_template(history_for(ctx.tokenizer, conversation(req.messages)),
-                                                       **req.template_kwargs())
+            if req.messages is not None:  # rendered as the chat route renders it, tools included
+                messages, kwargs = conversation(req.messages), req.template_kwargs()
+                if req.tools:
+                    messages, shown = ToolPlan(tuple(req.tools), "none", None, True, "hermes").render(
+                        ctx.tokenizer, messages)
+                    kwargs |= shown
+                else:
+                    messages = history_for(ctx.tokenizer, messages)
+                tokens = await ctx.apply_chat_template(messages, **kwargs)
             else:
                 tokens = await ctx.tokenize(req.prompt, "prompt", add_special_tokens=req.add_special_tokens)
         except InvalidRequest as exc:
             raise OpenAIError(400, str(exc), "messages" if req.messages is not None else "prompt") from None
         limit = ctx.engine.engine.config.scheduler.max_model_len
-        strs = {"token_strs": ctx.tokenizer.hf.convert_ids_to_tokens(tokens)} if req.return_token_strs else {}
-        return {"tokens": tokens, "count": len(tokens), "max_model_len": limit, **strs}
+        strs = ctx.tokenizer.hf.convert_ids_to_tokens(tokens) if req.return_token_strs else None
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": limit, "token_strs": strs}
 
     @app.get("/tokenizer_info")
     async def tokenizer_info():

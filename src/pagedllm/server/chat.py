@@ -47,18 +47,19 @@ async def chat_prompt_ids(ctx: ServerContext, req: ChatCompletionRequest, plan: 
         raise OpenAIError(400, str(exc), "messages") from None
 
 
-def _entry(lp: Logprob) -> dict:
-    token = logprob_token(lp)
+def _entry(token_id: int, lp: Logprob, as_id: bool) -> dict:
+    token = f"token_id:{token_id}" if as_id else logprob_token(lp)
     return {"token": token, "logprob": lp.logprob, "bytes": list(token.encode("utf-8"))}
 
 
-def chat_logprobs(c: CompletionOutput, top: int) -> list[dict]:
-    """OpenAI's ``logprobs.content`` entries for a completion's (new) tokens."""
+def chat_logprobs(c: CompletionOutput, top: int, as_ids: bool = False) -> list[dict]:
+    """OpenAI's ``logprobs.content`` entries for a completion's (new) tokens; ``as_ids``: vLLM's
+    ``return_tokens_as_token_ids`` (each token written ``token_id:<id>``)."""
     content = []
     for token, entry in zip(c.token_ids, c.logprobs or [], strict=False):
-        item = _entry(entry[token])
-        ranked = sorted((lp for lp in entry.values() if lp.rank is not None), key=lambda lp: lp.rank)
-        item["top_logprobs"] = [_entry(lp) for lp in ranked[:top]]
+        item = _entry(token, entry[token], as_ids)
+        ranked = sorted(((t, lp) for t, lp in entry.items() if lp.rank is not None), key=lambda e: e[1].rank)
+        item["top_logprobs"] = [_entry(t, lp, as_ids) for t, lp in ranked[:top]]
         content.append(item)
     return content
 
@@ -92,7 +93,8 @@ def _head(ctx: ServerContext, request_id: str) -> dict:
 def _chat_params(ctx: ServerContext, req: ChatCompletionRequest, plan: ToolPlan | None):
     """(the engine's sampling or beam-search params for ``req``, its top-logprobs count)."""
     limit = ctx.engine.engine.config.scheduler.max_model_len
-    top = req.top_logprobs or 0
+    # the top-logprobs count; with logprob_token_ids, those tokens and the chosen one (ranked)
+    top = len(req.logprob_token_ids) + 1 if req.logprob_token_ids else req.top_logprobs or 0
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if req.max_tokens is not None and req.max_tokens >= limit:  # checked even when max_completion_tokens rules
         raise OpenAIError(400, f"max_tokens ({req.max_tokens}) must be below max_model_len ({limit})", "max_tokens",
@@ -178,7 +180,7 @@ class _Choices:
                 self.texts[key] = self.texts.get(key, req.echoed()) + c.text
                 self.token_ids.setdefault(key, []).extend(c.token_ids)
                 if req.logprobs:
-                    self.logprobs.setdefault(key, []).extend(chat_logprobs(c, self.top))
+                    self.logprobs.setdefault(key, []).extend(chat_logprobs(c, self.top, req.return_tokens_as_token_ids))
                 if c.finish_reason is not None:
                     self.finish[key] = (c.finish_reason, c.stop_reason)
         return self
@@ -224,31 +226,36 @@ async def _stream(req: ChatCompletionRequest, outputs, head: dict, top: int,
     first = True
     try:
         async for _, out in outputs:
+            counted = usage.completion_tokens
             usage.add(out, first)
             extras = _prompt_extras(req, out) if first else {}  # the first chunk only, as vLLM
             first = False
             for c in out.outputs:
                 if c.index not in started:
                     started.add(c.index)
+                    if req.continuous_usage:  # every chunk, this one too: the tokens before this output
+                        extras["usage"] = usage.body(completion_tokens=counted)
                     yield sse({**head, "choices": [{"index": c.index,
                                                     "delta": {"role": "assistant", "content": req.echoed()},
                                                     "logprobs": None, "finish_reason": None}], **extras})
                     extras = {}
                 text, calls, reason = c.text, [], c.finish_reason
-                if plan is not None:  # content as it comes, until a call may start; calls at the end
+                if plan is not None:  # content as it comes, until a call may start (server/tools.py)
                     split = tool_streams.setdefault(c.index, ToolStream(plan))
                     text = split.feed(c.text)
+                    calls = split.call_deltas()
                     if c.finish_reason is not None:
-                        rest, calls = split.finish()
-                        text += rest
-                        reason = "tool_calls" if calls and reason == "stop" else reason
-                if not text and c.finish_reason is None and not c.token_ids:
+                        rest, more = split.finish()
+                        text, calls = text + rest, calls + more
+                        reason = "tool_calls" if split.calls and reason == "stop" else reason
+                if not text and not calls and c.finish_reason is None and not c.token_ids:
                     continue
                 delta = {"content": text} if text else {}
                 if calls:
-                    delta["tool_calls"] = [{"index": j, **call} for j, call in enumerate(calls)]
+                    delta["tool_calls"] = calls
                 chunk = {"index": c.index, "delta": delta,
-                         "logprobs": {"content": chat_logprobs(c, top)} if req.logprobs else None,
+                         "logprobs": {"content": chat_logprobs(c, top, req.return_tokens_as_token_ids)} if req.logprobs
+                         else None,
                          "finish_reason": reason, "stop_reason": c.stop_reason}
                 if req.return_token_ids:
                     chunk["token_ids"] = list(c.token_ids)

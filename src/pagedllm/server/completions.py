@@ -32,7 +32,8 @@ from pagedllm.server.serving import (
 class _Choice:
     """Accumulates one choice's text, tokens and legacy-format logprobs."""
 
-    def __init__(self) -> None:
+    def __init__(self, tokens_as_ids: bool = False) -> None:
+        self.tokens_as_ids = tokens_as_ids  # vLLM's return_tokens_as_token_ids: "token_id:<id>" for each token
         self.text, self.finish_reason, self.stop_reason = "", None, None
         self.tokens: list[str] = []
         self.token_logprobs: list[float | None] = []
@@ -49,13 +50,16 @@ class _Choice:
         caller has them; else the entry's decoded token; ``top``: keep only the top that many
         besides the token itself, where the entries hold more); returns just the new part."""
         new = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        def name(token: int, lp: Logprob | None) -> str:
+            return f"token_id:{token}" if self.tokens_as_ids else logprob_token(lp) if lp is not None else ""
+
         for i, (token, entry) in enumerate(zip(token_ids, entries, strict=True)):
             text = texts[i] if texts is not None else logprob_token(entry[token]) if entry else ""
-            new["tokens"].append(text)
+            new["tokens"].append(name(token, None) if self.tokens_as_ids else text)
             new["token_logprobs"].append(entry[token].logprob if entry else None)
             kept = entry and {t: lp for t, lp in entry.items()
                               if top is None or t == token or (lp.rank is not None and lp.rank <= top)}
-            new["top_logprobs"].append({logprob_token(lp): lp.logprob for lp in kept.values()} if entry else None)
+            new["top_logprobs"].append({name(t, lp): lp.logprob for t, lp in kept.items()} if entry else None)
             new["text_offset"].append(self.offset)
             self.offset += len(text)
         for key, values in new.items():
@@ -168,7 +172,7 @@ class _Choices:
         for c in out.outputs:
             k = i * self.req.n + c.index
             started = k in self.choices
-            choice = self.choices.setdefault(k, _Choice())
+            choice = self.choices.setdefault(k, _Choice(self.req.return_tokens_as_token_ids))
             text, logprobs = _delta(self.ctx, self.req, choice, out, c, started, self.want)
             new.append((k, text, logprobs, c))
         return new

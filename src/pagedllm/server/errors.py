@@ -58,7 +58,7 @@ _FIELDS = {f.name for f in dataclasses.fields(SamplingParams)} | {"prompt", "mes
                                                                   "top_logprobs", "response_format", "stream_options",
                                                                   "continue_final_message", "n", "echo",
                                                                   "structured_outputs", "tool_choice",
-                                                                  "length_penalty"}
+                                                                  "length_penalty", "truncation_side"}
 
 
 def _param_of(message: str) -> str | None:
@@ -165,8 +165,20 @@ def install_error_handlers(app: FastAPI) -> None:
         return _validation_error(exc, f"{request.method} {request.url.path}").response()
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException):
+    async def _http(request: Request, exc: StarletteHTTPException):
         message = {404: "not found", 405: "method not allowed"}.get(exc.status_code, str(exc.detail))
+        headers = exc.headers
+        if exc.status_code == 405:  # Allow: the methods of every route on this path (Starlette names the first's)
+            headers = {**(headers or {}), "Allow": _allowed_methods(request)}
         return OpenAIError(exc.status_code, message if exc.detail in (None, "Not Found", "Method Not Allowed")
-                           else str(exc.detail), headers=exc.headers).response()  # a 405 keeps its Allow
+                           else str(exc.detail), headers=headers).response()
+
+
+def _allowed_methods(request: Request) -> str:
+    methods: set[str] = set()
+    for route in request.app.router.routes:
+        pattern, route_methods = getattr(route, "path_regex", None), getattr(route, "methods", None)
+        if pattern is not None and route_methods and pattern.match(request.url.path):
+            methods |= set(route_methods)
+    return ", ".join(sorted(methods))
 

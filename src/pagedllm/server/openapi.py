@@ -4,7 +4,8 @@ client or a schema fuzzer (schemathesis) can trust it:
 
 - the errors, in the OpenAI shape (``ErrorResponse``), each route may answer: 400 (a bad body or
   field: never FastAPI's 422, which we do not send), 401 (``--api-key``), 404 (an unknown
-  ``model``, in a body or in ``GET /v1/models/{id}``), 408 / 413 (a body too slow or too large),
+  ``model``, in a body or in ``GET /v1/models/{id}``; a response not stored, in
+  ``GET``/``DELETE /v1/responses/{id}``), 408 / 413 (a body too slow or too large),
   429 (admission full, with ``Retry-After``), 503 (the engine stopped or shutting down);
 - the content types: Server-Sent Events for ``stream: true``, Prometheus text for ``/metrics``;
 - bearer authentication on the guarded routes when the server has API keys;
@@ -74,6 +75,8 @@ def _route_errors(path: str, method: str, guarded: bool) -> tuple[int, ...]:
     if path in ("/v1/completions", "/v1/chat/completions", "/v1/responses"):
         codes += [429, 503]
     if path.startswith("/v1/models/"):  # GET /v1/models/{id}: another model's id, or one not UTF-8
+        codes += [400, 404]
+    if path.startswith("/v1/responses/"):  # GET / DELETE /v1/responses/{id}: not stored; a query parameter
         codes += [400, 404]
     if path == "/tokenizer_info":  # a model without a tokenizer
         codes.append(400)

@@ -25,6 +25,7 @@ from pydantic_core import PydanticCustomError
 
 from pagedllm.engine.beam_search import BeamSearchParams
 from pagedllm.engine.sampling_params import (
+    MAX_LOGPROB_TOKEN_IDS,
     MAX_LOGPROBS,
     REPETITION_MAX,
     REPETITION_MIN,
@@ -143,6 +144,12 @@ class SamplingFields(_Request):
     length_penalty: float = 1.0    # beam search: a beam's score is its logprob / length ** length_penalty
     prompt_logprobs: Int(ge=0, le=MAX_LOGPROBS) | None = None
     truncate_prompt_tokens: Int(ge=1) | Literal[-1] | None = None  # -1: max_model_len
+    truncation_side: Literal["left", "right"] | None = None  # with truncate_prompt_tokens: "right" keeps the first
+    allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None  # only these are sampled
+    # with logprobs: the logprobs of exactly these tokens (and the chosen one) in place of the top ones
+    logprob_token_ids: Annotated[list[TokenId], Field(min_length=1, max_length=MAX_LOGPROB_TOKEN_IDS)] | None = None
+    return_tokens_as_token_ids: bool = False  # logprobs' tokens written "token_id:<id>"
+    bad_words: list[NonEmptyStr] | None = None  # never generated (as a word, or after a space)
     user: str | None = no_op("OpenAI's end-user id for abuse monitoring; this server monitors no users")
     metadata: dict[str, str] | None = no_op("OpenAI's tags for stored completions; this server stores none")
     store: Annotated[Literal[False] | None, BeforeValidator(_bool_only)] = no_op(
@@ -155,15 +162,21 @@ class SamplingFields(_Request):
             raise ValueError("stream_options: only allowed when stream is true")
         if self.length_penalty != 1.0 and not self.use_beam_search:  # sampling has no use for it: not ignored
             raise ValueError("length_penalty: only used with use_beam_search (it scores finished beams)")
+        if self.truncation_side is not None and self.truncate_prompt_tokens is None:
+            raise ValueError("truncation_side: only used with truncate_prompt_tokens")
+        logprobs = getattr(self, "logprobs", None)
+        if self.logprob_token_ids is not None and (logprobs is None or logprobs is False):
+            raise ValueError("logprob_token_ids: only used with logprobs (which tokens' logprobs to return)")
         return self
 
     def truncated(self, prompt_ids: list[int], max_model_len: int) -> list[int]:
-        """The prompt's last ``truncate_prompt_tokens`` tokens (-1: ``max_model_len``), as vLLM."""
+        """The prompt cut to ``truncate_prompt_tokens`` tokens (-1: ``max_model_len``), as vLLM: its
+        last ones, or its first with ``truncation_side`` ``right`` (the right side is cut off)."""
         keep = self.truncate_prompt_tokens
         if keep is None:
             return prompt_ids
         keep = max_model_len if keep == -1 else keep
-        return prompt_ids[-keep:]
+        return prompt_ids[:keep] if self.truncation_side == "right" else prompt_ids[-keep:]
 
     @property
     def continuous_usage(self) -> bool:
@@ -181,7 +194,9 @@ class SamplingFields(_Request):
                               logit_bias=self.logit_bias, min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
                               skip_special_tokens=self.skip_special_tokens,
                               include_stop_str_in_output=self.include_stop_str_in_output, max_tokens=max_tokens,
-                              logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                              logprobs=None if self.logprob_token_ids else logprobs, prompt_logprobs=prompt_logprobs,
+                              allowed_token_ids=self.allowed_token_ids, logprob_token_ids=self.logprob_token_ids,
+                              bad_words=self.bad_words,
                               structured_outputs=self.constraint(), **optional)
 
     def beam_search_params(self, max_tokens: int | None) -> BeamSearchParams:
@@ -227,7 +242,8 @@ MAX_BEAMS = 10  # BeamSearchParams' widest beam
 BEAM_SEARCH_UNUSED = ("top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "presence_penalty",
                       "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "response_format",
                       "structured_outputs", "logprobs", "top_logprobs", "prompt_logprobs", "echo",
-                      "include_stop_str_in_output")
+                      "include_stop_str_in_output", "allowed_token_ids", "logprob_token_ids",
+                      "return_tokens_as_token_ids", "bad_words")
 PositiveInt = Int(ge=1)
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 
@@ -379,6 +395,7 @@ class TokenizeRequest(_Request):
     model: str | None = None
     prompt: str | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    tools: list[Tool] | None = None  # with messages: rendered as the chat route renders them
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False

@@ -12,9 +12,11 @@ answer is a ``response`` object whose ``output`` holds a ``message`` item (``out
 ``response.content_part.done``, ``response.output_item.done`` (and a function call's items), then
 ``response.completed`` with the whole response, each with its ``sequence_number``.
 
-``store`` is false unless asked for. A stored response (its conversation and output) lives in a
-bounded in-memory store (``ResponseStore``: the newest ``STORE_SIZE``, lost on restart), which is
-what ``previous_response_id`` continues from; an id not in it is a 400 saying so.
+``store`` is false unless asked for. A stored response (its conversation and output, and the
+response object) lives in a bounded in-memory store (``ResponseStore``: the newest ``STORE_SIZE``,
+lost on restart), which is what ``previous_response_id`` continues from (an id not in it is a 400
+saying so), what ``GET /v1/responses/{id}`` returns and what ``DELETE /v1/responses/{id}`` removes
+(an id not in it: a 404, as OpenAI answers).
 """
 
 from __future__ import annotations
@@ -126,25 +128,46 @@ class ResponsesRequest(_Request):
 
 
 class ResponseStore:
-    """The newest ``size`` stored responses: id -> (the conversation with its output, the body)."""
+    """The newest ``size`` stored responses: id -> (the conversation with its output, the response body)."""
 
     def __init__(self, size: int = STORE_SIZE) -> None:
         self.size, self._items, self._lock = size, OrderedDict(), threading.Lock()
 
-    def put(self, response_id: str, messages: list[dict]) -> None:
+    def put(self, response_id: str, messages: list[dict], body: dict) -> None:
         with self._lock:
-            self._items[response_id] = messages
+            self._items[response_id] = (messages, body)
             while len(self._items) > self.size:
                 self._items.popitem(last=False)
 
     def conversation(self, response_id: str) -> list[dict]:
         with self._lock:
-            messages = self._items.get(response_id)
-        if messages is None:
+            item = self._items.get(response_id)
+        if item is None:
             raise OpenAIError(400, f"previous_response_id: no stored response {response_id!r} (responses are kept "
                                    f"only with store: true, the newest {self.size}, until the server restarts)",
                               "previous_response_id", "previous_response_not_found")
-        return [dict(m) for m in messages]
+        return [dict(m) for m in item[0]]
+
+    def _not_found(self, response_id: str) -> OpenAIError:
+        return OpenAIError(404, f"Response with id {response_id!r} not found (responses are kept only with "
+                                f"store: true, the newest {self.size}, until the server restarts)",
+                           "response_id", "response_not_found")
+
+    def body(self, response_id: str) -> dict:
+        """``GET /v1/responses/{id}``: the stored response object."""
+        with self._lock:
+            item = self._items.get(response_id)
+        if item is None:
+            raise self._not_found(response_id)
+        return item[1]
+
+    def delete(self, response_id: str) -> dict:
+        """``DELETE /v1/responses/{id}``: forgets it (a later ``previous_response_id`` is a 400)."""
+        with self._lock:
+            item = self._items.pop(response_id, None)
+        if item is None:
+            raise self._not_found(response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
 
 
 def _messages(req: ResponsesRequest, store: ResponseStore) -> list[dict]:
@@ -240,14 +263,15 @@ class _Response:
                 "previous_response_id": req.previous_response_id, "store": req.store,
                 "metadata": req.metadata or {}}
 
-    def keep(self, text: str | None, calls: list[dict]) -> None:
-        """With ``store: true``, the conversation and this output, for a later ``previous_response_id``."""
-        if not self.req.store:
-            return
-        turn = {"role": "assistant", "content": text}
-        if calls:
-            turn["tool_calls"] = calls
-        self.store.put(self.id, [*self.messages, turn])
+    def keep(self, text: str | None, calls: list[dict], body: dict) -> dict:
+        """With ``store: true``, the conversation and this output (for a later ``previous_response_id``)
+        and the finished response ``body`` (for ``GET``); returns the body."""
+        if self.req.store:
+            turn = {"role": "assistant", "content": text}
+            if calls:
+                turn["tool_calls"] = calls
+            self.store.put(self.id, [*self.messages, turn], body)
+        return body
 
 
 async def create_response(ctx: ServerContext, req: ResponsesRequest, raw: Request, store: ResponseStore):
@@ -268,8 +292,8 @@ async def _whole(response: _Response, chat, outputs, head, top, plan) -> dict:
     if message.get("content"):
         output.append(_text_item(_ids()[0], message["content"]))
     output += [_call_item(c) for c in message.get("tool_calls") or []]
-    response.keep(message.get("content"), message.get("tool_calls") or [])
-    return response.body("completed", output, _usage(body["usage"]), choice["finish_reason"])
+    return response.keep(message.get("content"), message.get("tool_calls") or [],
+                         response.body("completed", output, _usage(body["usage"]), choice["finish_reason"]))
 
 
 def _event(kind: str, seq: int, **fields) -> str:
@@ -300,8 +324,8 @@ async def _events(response: _Response, outputs, plan) -> AsyncIterator[str]:
                 if c.finish_reason is not None:
                     finish = c.finish_reason
                     if split is not None:
-                        rest, calls = split.finish()
-                        delta += rest
+                        rest, _ = split.finish()
+                        delta, calls = delta + rest, split.calls
                 if delta:
                     if not opened:
                         opened = True
@@ -332,8 +356,8 @@ async def _events(response: _Response, outputs, plan) -> AsyncIterator[str]:
                         arguments=item["arguments"], name=item["name"])
             yield event("response.output_item.done", output_index=index, item=item)
             output.append(item)
-        response.keep(text or None, calls)
-        finished = response.body("completed", output, _usage(usage.body()), "stop" if calls else finish)
+        finished = response.keep(text or None, calls, response.body("completed", output, _usage(usage.body()),
+                                                                    "stop" if calls else finish))
         kind = "response.incomplete" if finished["status"] == "incomplete" else "response.completed"
         yield event(kind, response=finished)
     except Exception as exc:  # noqa: BLE001 - after the stream started: an error event, OpenAI's way

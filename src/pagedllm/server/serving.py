@@ -319,9 +319,12 @@ class Usage:
             self.cached_tokens += out.num_cached_tokens
         self.completion_tokens += sum(len(c.token_ids) for c in out.outputs)
 
-    def body(self) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens,
+    def body(self, completion_tokens: int | None = None) -> dict:
+        """The usage object; ``completion_tokens`` in place of the count so far (a stream's first
+        chunk, sent before its tokens, counts none of them)."""
+        done = self.completion_tokens if completion_tokens is None else completion_tokens
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": done,
+                "total_tokens": self.prompt_tokens + done,
                 "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
 
 

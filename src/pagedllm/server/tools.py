@@ -17,9 +17,16 @@ What a request's ``tools`` and ``tool_choice`` become (``ToolPlan.of``):
   (the whole output one call object or an array of them). A block that does not parse stays text.
 - **``none``** (the default without tools): the tools are rendered, nothing is parsed.
 
-A call's ``arguments`` are sent as a JSON string, as OpenAI sends them; the finish reason of a
-choice with calls is ``tool_calls``. Streamed (``ToolStream``), content is sent as it comes until
-a call may be starting; calls are sent whole at the end, one ``tool_calls`` delta each.
+A call's ``arguments`` are sent as a JSON string, as OpenAI sends them: the model's own text of
+the arguments object (``CallScanner`` finds its span; it parses, or the output is no call). The
+finish reason of a choice with calls is ``tool_calls``. Streamed (``ToolStream``), content is sent
+as it comes until a call may be starting. ``required`` and named calls stream as OpenAI streams
+them: a call's first delta holds its ``id``, ``type`` and ``function.name`` once the name has been
+generated, then each chunk adds the new text of its ``function.arguments`` (the grammar guarantees
+they parse; a call cut by ``max_tokens`` ends with finish reason ``length`` and its arguments
+unfinished, where the whole body, not streamed, gives the cut text as ``content``). ``auto`` calls
+are sent whole at the end, one ``tool_calls`` delta each: a Hermes block is only known to be a
+call once it has closed and parsed, and a block that does not parse is content.
 """
 
 from __future__ import annotations
@@ -168,30 +175,170 @@ class ToolPlan:
         return content or None, calls
 
 
+def _call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
 def _calls_from_json(text: str) -> list[dict]:
-    """OpenAI ``tool_calls`` from a JSON call object or an array of them; [] if it is not one."""
+    """OpenAI ``tool_calls`` from a JSON call object or an array of them; [] if it is not one.
+    Each call's ``arguments`` is the model's own text of them (``CallScanner``), so a streamed
+    call's argument deltas add up to exactly what the whole body holds."""
     try:
         value = json.loads(text)
     except ValueError:
         return []
     items = value if isinstance(value, list) else [value]
+    scanner = CallScanner()
+    scanner.feed(text)
+    spans = scanner.calls if len(scanner.calls) == len(items) else []
     calls = []
-    for item in items:
+    for j, item in enumerate(items):
         if not isinstance(item, dict) or not isinstance(item.get("name"), str):
             return []
         arguments = item.get("arguments", item.get("parameters", {}))
         if not isinstance(arguments, dict):
             return []
-        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                      "function": {"name": item["name"], "arguments": json.dumps(arguments, ensure_ascii=False)}})
+        raw = scanner.arguments(j, text) if spans and spans[j].args_end is not None else ""
+        calls.append({"id": _call_id(), "type": "function", "function": {
+            "name": item["name"], "arguments": raw if raw else json.dumps(arguments, ensure_ascii=False)}})
     return calls
 
 
+@dataclass
+class ScannedCall:
+    """Where one call's parts lie in the text: its name once its string has closed, and the span of
+    its arguments value (``args_end`` None while that value is still open)."""
+
+    name: str | None = None
+    args_start: int | None = None
+    args_end: int | None = None
+
+
+class CallScanner:
+    """Reads a JSON call object, or an array of them, as it is generated, a character at a time
+    and each character once: the state of strings, escapes and nesting, and per call the name and
+    the span of the ``arguments`` (or ``parameters``) value. It finds where things are and does not
+    validate: ``_calls_from_json`` parses the finished text."""
+
+    ARGUMENT_KEYS = ("arguments", "parameters")
+
+    def __init__(self) -> None:
+        self.pos = 0
+        self.stack: list[str] = []
+        self.call_depth: int | None = None  # the nesting of a call object: 1 alone, 2 in an array
+        self.in_string = self.escape = False
+        self.string_start = 0
+        self.expect: str | None = None      # in a call object: "key", "value" or None (":" or "," next)
+        self.key: str | None = None
+        self.value_key: str | None = None   # the key whose value is being read at the call's level
+        self.calls: list[ScannedCall] = []
+
+    def arguments(self, index: int, text: str) -> str:
+        """Call ``index``'s arguments text so far (the whole value once it has closed)."""
+        call = self.calls[index]
+        if call.args_start is None:
+            return ""
+        return text[call.args_start:call.args_end if call.args_end is not None else self.pos]
+
+    def _at_call_level(self) -> bool:
+        return self.call_depth is not None and len(self.stack) == self.call_depth
+
+    def feed(self, text: str) -> None:
+        """Reads ``text`` (all generated so far) from where the last call stopped."""
+        for i in range(self.pos, len(text)):
+            self._char(text, i, text[i])
+        self.pos = len(text)
+
+    def _char(self, text: str, i: int, c: str) -> None:
+        if self.in_string:
+            if self.escape:
+                self.escape = False
+            elif c == "\\":
+                self.escape = True
+            elif c == '"':
+                self.in_string = False
+                self._string_closed(text, i)
+            return
+        if c.isspace():
+            return
+        if self.call_depth is None:
+            self.call_depth = 2 if c == "[" else 1
+        level = self._at_call_level()
+        if level and self.expect == "value":
+            self.expect = None
+            if self.value_key in self.ARGUMENT_KEYS and self.calls and self.calls[-1].args_start is None:
+                self.calls[-1].args_start = i
+        if c == '"':
+            self.in_string, self.string_start = True, i
+        elif c in "{[":
+            self.stack.append(c)
+            if c == "{" and self._at_call_level():
+                self.calls.append(ScannedCall())
+                self.expect = "key"
+        elif c in "}]":
+            if level and self.value_key in self.ARGUMENT_KEYS:  # a bare value ends at the call's close
+                self._end_arguments(i)
+            if self.stack:
+                self.stack.pop()
+            if self._at_call_level() and self.value_key in self.ARGUMENT_KEYS:  # an object value closed
+                self._end_arguments(i + 1)
+        elif level and c == ":":
+            self.expect, self.value_key = "value", self.key
+        elif level and c == ",":
+            if self.value_key in self.ARGUMENT_KEYS:
+                self._end_arguments(i)
+            self.expect, self.value_key = "key", None
+
+    def _string_closed(self, text: str, i: int) -> None:
+        if not self._at_call_level():
+            return
+        value = text[self.string_start:i + 1]
+        if self.expect == "key":
+            self.key, self.expect = json.loads(value), None
+        elif self.value_key == "name" and self.calls and self.calls[-1].name is None:
+            self.calls[-1].name = json.loads(value)
+        elif self.value_key in self.ARGUMENT_KEYS:
+            self._end_arguments(i + 1)
+
+    def _end_arguments(self, end: int) -> None:
+        call = self.calls[-1] if self.calls else None
+        if call is not None and call.args_start is not None and call.args_end is None:
+            call.args_end = end
+        self.value_key = None
+
+
 class ToolStream:
-    """One streamed choice's text, split into content sent as it comes and calls sent at the end."""
+    """One streamed choice's text, split into content sent as it comes and calls: made calls
+    (``required``, named) streamed as they are generated (``call_deltas``), found ones (``auto``)
+    sent at the end. ``calls`` holds the whole calls once ``finish`` has run."""
 
     def __init__(self, plan: ToolPlan) -> None:
         self.plan, self.text, self.sent = plan, "", 0
+        self.scanner = CallScanner() if plan.choice in ("required", "named") else None
+        self.ids: list[str] = []         # the calls streamed so far, by index
+        self.args_sent: list[int] = []   # how much of each one's arguments has been sent
+        self.calls: list[dict] = []
+
+    def call_deltas(self) -> list[dict]:
+        """The ``tool_calls`` delta entries for what has been generated since the last call (made
+        calls only): a call's first holds its id, type and name, later ones the new arguments text."""
+        if self.scanner is None:
+            return []
+        self.scanner.feed(self.text)
+        out = []
+        for j, call in enumerate(self.scanner.calls):
+            if call.name is None:
+                break  # the calls go out in order, each once its name is known
+            arguments = self.scanner.arguments(j, self.text)
+            if j == len(self.ids):
+                self.ids.append(_call_id())
+                self.args_sent.append(len(arguments))
+                out.append({"index": j, "id": self.ids[j], "type": "function",
+                            "function": {"name": call.name, "arguments": arguments}})
+            elif len(arguments) > self.args_sent[j]:
+                out.append({"index": j, "function": {"arguments": arguments[self.args_sent[j]:]}})
+                self.args_sent[j] = len(arguments)
+        return out
 
     def feed(self, delta: str) -> str:
         """Add generated text; returns the content that can be sent now (never part of a call)."""
@@ -222,9 +369,19 @@ class ToolStream:
         return len(self.text)
 
     def finish(self) -> tuple[str, list[dict]]:
-        """(the content still to send, the calls) once the choice has finished."""
+        """(the content still to send, the ``tool_calls`` delta entries still to send) once the
+        choice has finished; ``calls`` then holds the whole calls."""
         content, calls = self.plan.split(self.text)
+        if self.scanner is not None:
+            deltas = self.call_deltas()
+            if not self.ids:  # no call was started (cut before a name): the text is content
+                return self.text[self.sent:], []
+            for call, call_id in zip(calls, self.ids, strict=False):
+                call["id"] = call_id
+            self.calls = calls
+            return "", deltas
+        self.calls = calls
         if not calls:
             return self.text[self.sent:], []
         rest = (content or "")[self.sent:] if content and len(content) > self.sent else ""
-        return rest, calls
+        return rest, [{"index": j, **call} for j, call in enumerate(calls)]
