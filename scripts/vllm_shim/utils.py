@@ -7,7 +7,7 @@ the name the test asks for) with the vLLM flags translated to ours, and stops it
 Used by ``scripts/vllm_entrypoint_tests.py``; never imported by pagedllm itself.
 
 Flag translation: the flags pagedllm has (``--max-model-len``, ``--max-num-seqs``, ``--dtype``,
-``--chat-template``, ``--tool-call-parser``, ``--root-path``, ``--seed``) pass through; vLLM-only
+``--chat-template``, ``--tool-call-parser``, ``--root-path``, ``--seed``, ``--max-logprobs``) pass through; vLLM-only
 flags that change nothing observable here (``--enforce-eager``, ``--gpu-memory-utilization``,
 ``--enable-prompt-tokens-details``, ...) are dropped; ``VLLM_API_KEY`` becomes ``--api-key``.
 Every flag dropped is printed, so a test's failure can be traced to a flag we do not honour.
@@ -32,13 +32,13 @@ PAGEDLLM_PYTHON = os.environ.get("PAGEDLLM_PYTHON", os.path.join(REPO, ".venv", 
 DROPPED_FLAGS = {
     "--enforce-eager": 0, "--gpu-memory-utilization": 1, "--enable-prompt-tokens-details": 0,
     "--no-enable-prefix-caching": 0, "--enable-auto-tool-choice": 0, "--trust-remote-code": 0,
-    "--enable-server-load-tracking": 0, "--enable-tokenizer-info-endpoint": 0, "--max-logprobs": 1,
+    "--enable-server-load-tracking": 0, "--enable-tokenizer-info-endpoint": 0,
     "--enable-lora": 0, "--lora-modules": -1, "--max-lora-rank": 1, "--max-cpu-loras": 1,
     "--disable-frontend-multiprocessing": 0, "--load-format": 1, "--tokenizer-mode": 1,
     "--reasoning-parser": 1, "--disable-log-stats": 0, "--enable-force-include-usage": 0,
 }
 KEPT_FLAGS = {"--max-model-len", "--max-num-seqs", "--dtype", "--chat-template", "--tool-call-parser",
-              "--root-path", "--seed", "--max-num-batched-tokens", "--served-model-name"}
+              "--root-path", "--seed", "--max-num-batched-tokens", "--served-model-name", "--max-logprobs"}
 DTYPES = {"half": "float16", "float16": "float16", "bfloat16": "bfloat16", "float32": "float32",
           "float": "float32", "auto": "auto"}
 

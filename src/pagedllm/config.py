@@ -23,6 +23,8 @@ from pagedllm.kvcache.contiguous import RESERVATIONS
 from pagedllm.kvcache.eviction import POLICIES
 from pagedllm.kvcache.hashing import HASH_ALGOS
 
+DEFAULT_MAX_LOGPROBS = 20  # the most logprobs a request may ask for by default, as vLLM's max_logprobs
+
 MIN_BLOCK_SIZE = 8
 MAX_BLOCK_SIZE = 128
 QUANTIZATIONS = ("auto", "none", "gguf")
@@ -94,6 +96,9 @@ class SchedulerConfig:
     max_model_len: PositiveInt = Field(2048, description="longest prompt + output")
     preemption_mode: Literal["recompute", "swap"] = Field(
         "recompute", description="what happens to a request preempted when blocks run out")
+    max_logprobs: Annotated[int, Field(strict=True, ge=-1)] = Field(
+        DEFAULT_MAX_LOGPROBS, description="most logprobs / prompt_logprobs a request may ask for; -1: no limit, "
+                                          "and a request's -1 then means the whole vocabulary (as vLLM)")
 
 
 @pydantic_dataclass(frozen=True, config=_STRICT)

@@ -110,3 +110,23 @@ def test_sampling_features_end_to_end(tiny_folder):
               .outputs[0].token_ids for k in (0, -1)]
     assert seeded[0] == seeded[1]  # top_k 0 and -1 both disable top-k
     assert_all_free(llm)
+
+
+def test_max_logprobs_limits_requests_and_minus_one_is_the_whole_vocabulary(tiny_folder):
+    """vLLM's ``max_logprobs``: 20 by default (more, or -1, is an InvalidRequest naming the field);
+    with -1, a request's -1 returns every token of the vocabulary, ranked, at each position."""
+    prompt = {"prompt_token_ids": [5, 9, 17, 33]}
+    llm = LLM(model=tiny_folder, dtype="float32", block_size=8, num_kv_blocks=64)
+    for field, value in (("logprobs", 21), ("logprobs", -1), ("prompt_logprobs", -1)):
+        with pytest.raises(InvalidRequest, match=f"^{field}: .*max_logprobs \\(20\\)"):
+            llm.generate(prompt, SamplingParams(max_tokens=2, **{field: value}), use_tqdm=False)
+    assert_all_free(llm)
+    del llm
+    everything = LLM(model=tiny_folder, dtype="float32", block_size=8, num_kv_blocks=64, max_logprobs=-1)
+    vocab = everything.engine.config.model.vocab_size
+    params = SamplingParams(temperature=0, max_tokens=2, logprobs=-1, prompt_logprobs=-1)
+    out = everything.generate(prompt, params, use_tqdm=False)[0]
+    assert params.logprobs == -1 and params.prompt_logprobs == -1  # the caller's params are left as they were
+    for entry in [*out.prompt_logprobs[1:], *out.outputs[0].logprobs]:
+        assert len(entry) == vocab and sorted(lp.rank for lp in entry.values()) == list(range(1, vocab + 1))
+    assert_all_free(everything)

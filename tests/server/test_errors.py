@@ -72,6 +72,14 @@ def test_bad_fields_are_400_naming_the_field(tiny_app, route, body, param):
     assert_all_free(ctx)
 
 
+def test_a_bad_value_names_pydantics_error_type_as_vllm_does(tiny_app):
+    """vLLM's own entrypoint test (test_long_seed) looks for the error type in the message."""
+    client, _ = tiny_app
+    for seed, kind in ((-(2**63) - 1, "greater_than_equal"), (2**63, "less_than_equal")):
+        error = assert_openai_error(client.post("/v1/chat/completions", json={**CHAT, "seed": seed}), 400, "seed")
+        assert error["message"].startswith("seed: Input should be") and f"[type={kind}]" in error["message"]
+
+
 def test_malformed_json_unknown_model_route_and_method(tiny_app):
     client, _ = tiny_app
     assert_openai_error(client.post("/v1/completions", content=b"{oops", headers={"content-type": "application/json"}),

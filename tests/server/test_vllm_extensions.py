@@ -239,3 +239,36 @@ def test_bad_words_are_never_generated_as_the_engine_does(client, smollm_fp32):
         assert word not in got.split()
     assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0,
                                      extra_body={"bad_words": [word]}).choices[0].text == expected != plain
+
+
+def test_max_logprobs_bounds_every_count_and_minus_one_is_the_whole_vocabulary(client, tiny_folder):
+    """``--max-logprobs`` (vLLM's, 20 by default): a count above it, or -1, is a 400 naming the
+    field, as ``/openapi.json`` says; ``--max-logprobs -1`` lets -1 ask for the whole vocabulary."""
+    from starlette.testclient import TestClient
+
+    from pagedllm.server.app import build_app
+    from tests.server.conftest import tiny_context
+
+    for body in ({"prompt": PROMPT, "logprobs": 21}, {"prompt": PROMPT, "prompt_logprobs": -1},
+                 {"messages": MESSAGES, "logprobs": True, "top_logprobs": -1}):
+        route = "chat/completions" if "messages" in body else "completions"
+        got = httpx.post(f"{client.base_url}{route}", json={**body, "max_tokens": 1})
+        field = next(k for k in ("top_logprobs", "prompt_logprobs", "logprobs") if k in body)
+        assert got.status_code == 400 and got.json()["error"]["param"] == field, got.json()
+    ctx = tiny_context(tiny_folder, max_logprobs=-1)
+    try:
+        with TestClient(build_app(ctx)) as tiny:
+            vocab = ctx.engine.engine.config.model.vocab_size
+            chat = tiny.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2, "logprobs": True,
+                                                           "top_logprobs": -1}).json()
+            assert all(len(t["top_logprobs"]) == vocab for t in chat["choices"][0]["logprobs"]["content"])
+            done = tiny.post("/v1/completions", json={"prompt": [5, 9, 17], "max_tokens": 1, "prompt_logprobs": -1,
+                                                      "logprobs": -1, "return_tokens_as_token_ids": True}).json()
+            done = done["choices"][0]
+            assert [len(e) for e in done["prompt_logprobs"][1:]] == [vocab, vocab]
+            # keyed by token_id:<id> (by text, tokens spelled alike would share a key)
+            assert len(done["logprobs"]["top_logprobs"][0]) == vocab
+            schema = tiny.get("/openapi.json").json()["components"]["schemas"]["CompletionRequest"]["properties"]
+            assert schema["logprobs"]["anyOf"][0] == {"type": "integer", "minimum": -1}  # no maximum
+    finally:
+        ctx.engine.shutdown()

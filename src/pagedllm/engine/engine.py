@@ -243,6 +243,24 @@ class Engine:
                 f"(num_kv_blocks={self.kv_manager.num_blocks})")
         return max_tokens
 
+    def _resolve_logprobs(self, params: SamplingParams) -> SamplingParams:
+        """``logprobs`` / ``prompt_logprobs`` within ``max_logprobs`` (InvalidRequest naming the field),
+        and -1 (the whole vocabulary, where ``max_logprobs`` is -1 too) as the vocabulary's size, on a
+        copy of the params (the caller's are left as they were)."""
+        limit, vocab = self.config.scheduler.max_logprobs, self.config.model.vocab_size
+        resolved = {}
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is None:
+                continue
+            if limit != -1 and (value == -1 or value > limit):
+                asked = "-1 (the whole vocabulary)" if value == -1 else str(value)
+                raise InvalidRequest(f"{name}: {asked} is more than this engine's max_logprobs ({limit}) allows "
+                                     "(max_logprobs -1 lifts the limit)")
+            if value == -1 or value > vocab:
+                resolved[name] = vocab
+        return dataclasses.replace(params, **resolved) if resolved else params
+
     def _check_params(self, params: SamplingParams) -> list[list[int]]:
         """Token ids named by the params must exist; returns the bad words as token-id sequences."""
         vocab = self.config.model.vocab_size
@@ -275,6 +293,7 @@ class Engine:
         text, ids, salt = self.tokenize_prompt(prompt)
         if isinstance(params, BeamSearchParams):
             return self._add_beam_search(request_id, text, ids, salt, params)
+        params = self._resolve_logprobs(params)
         max_tokens = self._check_length(len(ids), params.max_tokens)
         if params.min_tokens > max_tokens:  # only when max_tokens was None: SamplingParams checks a given one
             raise InvalidRequest(f"min_tokens ({params.min_tokens}) must be at most max_tokens ({max_tokens}: what "

@@ -22,7 +22,6 @@ import operator
 from dataclasses import dataclass, field
 
 SAMPLING_EPS = 1e-5  # temperatures below this are greedy, as in vLLM
-MAX_LOGPROBS = 20
 MAX_LOGPROB_TOKEN_IDS = 128  # the most tokens logprob_token_ids may name, as vLLM
 
 
@@ -155,8 +154,9 @@ class SamplingParams:
     ignore_eos: bool = False
     max_tokens: int | None = 16
     min_tokens: int = 0
-    logprobs: int | None = None         # top-k log-probabilities of each generated token (+ the chosen one)
-    prompt_logprobs: int | None = None  # the same for each prompt token (the first is None)
+    logprobs: int | None = None         # top-k log-probabilities of each generated token (+ the chosen one);
+    prompt_logprobs: int | None = None  # the same for each prompt token (the first is None); -1: the whole
+    #                                     vocabulary, where the engine's max_logprobs allows it (-1 too)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
@@ -192,10 +192,10 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be at most max_tokens ({self.max_tokens})")
-        for name in ("logprobs", "prompt_logprobs"):
+        for name in ("logprobs", "prompt_logprobs"):  # their upper limit is the engine's max_logprobs
             v = getattr(self, name)
-            if v is not None and (not _is_int(v) or not 0 <= v <= MAX_LOGPROBS):
-                raise ValueError(f"{name} must be an integer in 0..{MAX_LOGPROBS}, got {v!r}")
+            if v is not None and (not _is_int(v) or v < -1):
+                raise ValueError(f"{name} must be an integer >= 0, or -1 for the whole vocabulary, got {v!r}")
         self._stop_list = self._string_list(self.stop, "stop")
         self.bad_words = self._string_list(self.bad_words, "bad_words")
         self.stop_token_ids = self._id_list(self.stop_token_ids, "stop_token_ids")

@@ -77,6 +77,7 @@ async def start_chat(ctx: ServerContext, req: ChatCompletionRequest, raw: Reques
     top-logprobs count, its ``ToolPlan`` or None). Shared with ``/v1/responses``."""
     ctx.check_model(req.model)
     ctx.check_costs(req)
+    req = ctx.resolve_logprobs(req)
     plan = ToolPlan.of(req, ctx.tool_call_parser)  # a bad tool_choice: InvalidRequest, a 400
     prompt_ids = req.truncated(await chat_prompt_ids(ctx, req, plan), ctx.engine.engine.config.scheduler.max_model_len)
     params, top = _chat_params(ctx, req, plan)
@@ -115,6 +116,7 @@ async def create_batch_chat_completion(ctx: ServerContext, batch: BatchChatCompl
     conversation i, each as ``/v1/chat/completions`` would alone."""
     ctx.check_model(batch.model)
     ctx.check_costs(batch)
+    batch = ctx.resolve_logprobs(batch)
     requests = batch.conversations()
     limit = ctx.engine.engine.config.scheduler.max_model_len
     salt = _salt(ctx, batch, raw)

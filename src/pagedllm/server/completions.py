@@ -91,6 +91,7 @@ def _echo(ctx: ServerContext, out: RequestOutput) -> tuple[str, list[str] | None
 async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Request):
     ctx.check_model(req.model)
     ctx.check_costs(req)
+    req = ctx.resolve_logprobs(req)
     prompts = req.prompts()  # never empty: the model takes no empty prompt or list
     salt = ctx.cache_salt(req.cache_salt, raw)
     if salt is not None:

@@ -131,7 +131,8 @@ def _validation_message(errors: list[dict]) -> tuple[str, str | None]:
     same_field = [e for e in errors if _field_of(e) == field]
     chosen = next((e for e in same_field if not str(e.get("type", "")).endswith("_type")), first)
     where = f"{field}: " if field else ""
-    return f"{where}{chosen.get('msg', 'invalid value')}", field
+    kind = f" [type={chosen['type']}]" if chosen.get("type") else ""  # pydantic's error type, as vLLM's messages hold
+    return f"{where}{chosen.get('msg', 'invalid value')}{kind}", field
 
 
 class OpenAIRoute(APIRoute):

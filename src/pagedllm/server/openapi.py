@@ -144,6 +144,13 @@ def _apply_model_bounds(schemas: dict, ctx: ServerContext) -> None:
         for field in ("max_tokens", "max_completion_tokens", "min_tokens"):
             if field in props:
                 _nullable_variant(props[field])["maximum"] = max_model_len - 1
+        max_logprobs = engine.config.scheduler.max_logprobs
+        for field in ("logprobs", "top_logprobs", "prompt_logprobs"):  # within --max-logprobs; -1 only unlimited
+            count = _nullable_variant(props[field]) if field in props else {}
+            if count.get("type") == "integer":
+                count["minimum"] = -1 if max_logprobs == -1 else 0
+                if max_logprobs != -1:
+                    count["maximum"] = max_logprobs
         bias = _nullable_variant(props["logit_bias"])
         bias["maxProperties"] = limits.max_logit_bias
         bias["additionalProperties"] = False  # keys are token ids: only those patternProperties allows

@@ -26,7 +26,6 @@ from pydantic_core import PydanticCustomError
 from pagedllm.engine.beam_search import BeamSearchParams
 from pagedllm.engine.sampling_params import (
     MAX_LOGPROB_TOKEN_IDS,
-    MAX_LOGPROBS,
     REPETITION_MAX,
     REPETITION_MIN,
     TOP_K_MAX,
@@ -142,7 +141,7 @@ class SamplingFields(_Request):
     return_token_ids: bool = False
     use_beam_search: bool = False  # n beams (n <= 10), the best n returned
     length_penalty: float = 1.0    # beam search: a beam's score is its logprob / length ** length_penalty
-    prompt_logprobs: Int(ge=0, le=MAX_LOGPROBS) | None = None
+    prompt_logprobs: Int(ge=-1) | None = None  # -1: the whole vocabulary; at most --max-logprobs
     truncate_prompt_tokens: Int(ge=1) | Literal[-1] | None = None  # -1: max_model_len
     truncation_side: Literal["left", "right"] | None = None  # with truncate_prompt_tokens: "right" keeps the first
     allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None  # only these are sampled
@@ -252,7 +251,7 @@ class CompletionRequest(SamplingFields):
     prompt: NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1)] | TokenIds \
         | Annotated[list[TokenIds], Field(min_length=1)]
     max_tokens: PositiveInt | None = 16
-    logprobs: Int(ge=0, le=MAX_LOGPROBS) | None = None
+    logprobs: Int(ge=-1) | None = None  # -1: the whole vocabulary; at most --max-logprobs
     echo: bool = False
 
     def prompts(self) -> list[str | list[int]]:
@@ -326,7 +325,7 @@ class ChatCompletionRequest(SamplingFields):
     max_tokens: PositiveInt | None = None
     max_completion_tokens: PositiveInt | None = None
     logprobs: bool = False
-    top_logprobs: Int(ge=0, le=MAX_LOGPROBS) | None = None
+    top_logprobs: Int(ge=-1) | None = None  # -1: the whole vocabulary; at most --max-logprobs
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # vLLM's: the model goes on with the last message
     echo: bool = False                    # vLLM's: the reply starts with the last message when it is the assistant's

@@ -86,6 +86,25 @@ class ServerContext:
             raise OpenAIError(400, f"a stop string is {longest} characters long; at most {limits.max_stop_chars} "
                               "are accepted", "stop")
 
+    def resolve_logprobs(self, req):
+        """``req`` with its logprobs counts (``logprobs`` on completions, ``top_logprobs``,
+        ``prompt_logprobs``) checked against the engine's ``max_logprobs`` (a 400 naming the
+        field) and -1, the whole vocabulary (where ``--max-logprobs -1`` allows it), as its size."""
+        limit = self.engine.engine.config.scheduler.max_logprobs
+        vocab = self.engine.engine.config.model.vocab_size
+        resolved = {}
+        for name in ("logprobs", "top_logprobs", "prompt_logprobs"):
+            value = getattr(req, name, None)
+            if value is None or isinstance(value, bool):  # chat's logprobs is a switch, not a count
+                continue
+            if limit != -1 and (value == -1 or value > limit):
+                asked = "-1 (the whole vocabulary)" if value == -1 else str(value)
+                raise OpenAIError(400, f"{name}: {asked} is more than this server allows (--max-logprobs "
+                                       f"{limit}; -1 lifts the limit)", name)
+            if value == -1 or value > vocab:
+                resolved[name] = vocab
+        return req.model_copy(update=resolved) if resolved else req
+
     def cache_salt(self, requested: str | None, raw: Request) -> str | None:
         """The salt a request's blocks are hashed with: its ``cache_salt``, under its API key's
         tenant salt when ``salt_per_key`` (so no key's requests can hit, or time, another's cached
