@@ -97,8 +97,8 @@ class SchedulerConfig:
     preemption_mode: Literal["recompute", "swap"] = Field(
         "recompute", description="what happens to a request preempted when blocks run out")
     max_logprobs: Annotated[int, Field(strict=True, ge=-1)] = Field(
-        DEFAULT_MAX_LOGPROBS, description="most logprobs / prompt_logprobs a request may ask for; -1: no limit, "
-                                          "and a request's -1 then means the whole vocabulary (as vLLM)")
+        DEFAULT_MAX_LOGPROBS, description="most logprobs / prompt_logprobs a request may ask for; -1: no limit. "
+                                          "A request's -1 means the whole vocabulary (as vLLM)")
 
 
 @pydantic_dataclass(frozen=True, config=_STRICT)

@@ -130,3 +130,8 @@ def test_max_logprobs_limits_requests_and_minus_one_is_the_whole_vocabulary(tiny
     for entry in [*out.prompt_logprobs[1:], *out.outputs[0].logprobs]:
         assert len(entry) == vocab and sorted(lp.rank for lp in entry.values()) == list(range(1, vocab + 1))
     assert_all_free(everything)
+    del everything
+    # vLLM's rule: -1 is the vocabulary's size, so a limit at least that size takes it too
+    sized = LLM(model=tiny_folder, dtype="float32", block_size=8, num_kv_blocks=64, max_logprobs=vocab)
+    out = sized.generate(prompt, SamplingParams(max_tokens=1, prompt_logprobs=-1), use_tqdm=False)[0]
+    assert all(len(entry) == vocab for entry in out.prompt_logprobs[1:])

@@ -244,21 +244,22 @@ class Engine:
         return max_tokens
 
     def _resolve_logprobs(self, params: SamplingParams) -> SamplingParams:
-        """``logprobs`` / ``prompt_logprobs`` within ``max_logprobs`` (InvalidRequest naming the field),
-        and -1 (the whole vocabulary, where ``max_logprobs`` is -1 too) as the vocabulary's size, on a
-        copy of the params (the caller's are left as they were)."""
+        """``logprobs`` / ``prompt_logprobs`` with -1 (the whole vocabulary) as the vocabulary's size,
+        within ``max_logprobs`` (-1: no limit; InvalidRequest naming the field), as vLLM checks them,
+        on a copy of the params (the caller's are left as they were)."""
         limit, vocab = self.config.scheduler.max_logprobs, self.config.model.vocab_size
         resolved = {}
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
             if value is None:
                 continue
-            if limit != -1 and (value == -1 or value > limit):
-                asked = "-1 (the whole vocabulary)" if value == -1 else str(value)
+            count = vocab if value == -1 else min(value, vocab)
+            if limit != -1 and count > limit:
+                asked = f"-1 (the whole vocabulary, {vocab})" if value == -1 else str(value)
                 raise InvalidRequest(f"{name}: {asked} is more than this engine's max_logprobs ({limit}) allows "
                                      "(max_logprobs -1 lifts the limit)")
-            if value == -1 or value > vocab:
-                resolved[name] = vocab
+            if count != value:
+                resolved[name] = count
         return dataclasses.replace(params, **resolved) if resolved else params
 
     def _check_params(self, params: SamplingParams) -> list[list[int]]:

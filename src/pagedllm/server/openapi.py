@@ -145,10 +145,11 @@ def _apply_model_bounds(schemas: dict, ctx: ServerContext) -> None:
             if field in props:
                 _nullable_variant(props[field])["maximum"] = max_model_len - 1
         max_logprobs = engine.config.scheduler.max_logprobs
-        for field in ("logprobs", "top_logprobs", "prompt_logprobs"):  # within --max-logprobs; -1 only unlimited
+        whole = max_logprobs == -1 or max_logprobs >= engine.config.model.vocab_size  # -1 (all) within the limit
+        for field in ("logprobs", "top_logprobs", "prompt_logprobs"):  # within --max-logprobs
             count = _nullable_variant(props[field]) if field in props else {}
             if count.get("type") == "integer":
-                count["minimum"] = -1 if max_logprobs == -1 else 0
+                count["minimum"] = -1 if whole else 0
                 if max_logprobs != -1:
                     count["maximum"] = max_logprobs
         bias = _nullable_variant(props["logit_bias"])

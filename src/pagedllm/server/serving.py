@@ -88,8 +88,8 @@ class ServerContext:
 
     def resolve_logprobs(self, req):
         """``req`` with its logprobs counts (``logprobs`` on completions, ``top_logprobs``,
-        ``prompt_logprobs``) checked against the engine's ``max_logprobs`` (a 400 naming the
-        field) and -1, the whole vocabulary (where ``--max-logprobs -1`` allows it), as its size."""
+        ``prompt_logprobs``) as vLLM takes them: -1, the whole vocabulary, as its size, and each
+        within the engine's ``max_logprobs`` (-1: no limit; else a 400 naming the field)."""
         limit = self.engine.engine.config.scheduler.max_logprobs
         vocab = self.engine.engine.config.model.vocab_size
         resolved = {}
@@ -97,12 +97,13 @@ class ServerContext:
             value = getattr(req, name, None)
             if value is None or isinstance(value, bool):  # chat's logprobs is a switch, not a count
                 continue
-            if limit != -1 and (value == -1 or value > limit):
-                asked = "-1 (the whole vocabulary)" if value == -1 else str(value)
+            count = vocab if value == -1 else min(value, vocab)
+            if limit != -1 and count > limit:
+                asked = f"-1 (the whole vocabulary, {vocab})" if value == -1 else str(value)
                 raise OpenAIError(400, f"{name}: {asked} is more than this server allows (--max-logprobs "
                                        f"{limit}; -1 lifts the limit)", name)
-            if value == -1 or value > vocab:
-                resolved[name] = vocab
+            if count != value:
+                resolved[name] = count
         return req.model_copy(update=resolved) if resolved else req
 
     def cache_salt(self, requested: str | None, raw: Request) -> str | None:
