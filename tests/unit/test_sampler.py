@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedllm.engine.request import Request
-from pagedllm.engine.sampler import Sampler, apply_min_p, apply_top_k_top_p, logprobs_of
+from pagedllm.engine.sampler import Sampler, apply_min_p, apply_top_k_top_p, logprobs_of, row_argmax
 from pagedllm.engine.sampling_params import SamplingParams
 
 V = 50
@@ -93,6 +93,15 @@ def test_sampler_logprobs_are_of_the_raw_distribution_even_with_penalties():
     penalized = ref_penalized(logits[0].tolist(), [5, 6, 7], [9], 0.0, 0.0, 1.5)
     assert tokens[0] == max(range(V), key=lambda i: penalized[i])
     assert tokens[1] == int(logits[1].argmax())
+
+
+def test_row_argmax_is_argmax_ties_and_infinities_included():
+    x = random_logits(64, 3)
+    x[1, 7] = x[1, 30] = x[1].max() + 1  # a tie: the first index, as argmax
+    x[2] = -math.inf                      # a row every mask removed: index 0, as argmax
+    x[3, 11] = math.inf
+    x = torch.cat([x, x.round(decimals=0)])  # rounded rows tie often
+    assert row_argmax(x) == x.argmax(dim=-1).tolist() and row_argmax(x)[1] == 7
 
 
 def test_logprob_token_ids_give_those_tokens_raw_logprobs_and_ranks_with_allowed_tokens():

@@ -34,6 +34,13 @@ class TokenLogprobs:
     top_ranks: list[int] | None = None  # each top entry's rank, where top is not the top k (logprob_token_ids)
 
 
+def row_argmax(x: torch.Tensor) -> list[int]:
+    """Each row's first index of its largest value, as ``argmax(dim=-1)``: through ``max``, whose
+    reduction runs 2.5-3x faster on CPU (SmolLM2's 49,152 logits: 0.78 against 2.0 ms at 64 rows,
+    0.08 against 0.25 at 8, on an AMX Xeon); both take the first index of a tie."""
+    return x.max(dim=-1).indices.tolist()
+
+
 def draw(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> list[int]:
     """One token per row of ``probs`` by the exponential race ``argmax(p / E)``, ``E = -log U`` with
     ``U`` uniform from the row's generator. The race, unlike inverse transform sampling, keeps its
@@ -46,7 +53,7 @@ def draw(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> l
     noise = torch.empty_like(probs)
     for j, g in enumerate(generators):
         noise[j].uniform_(generator=g)
-    return (probs / noise.log_().neg_()).argmax(dim=-1).tolist()
+    return row_argmax(probs / noise.log_().neg_())
 
 
 def token_counts(token_lists: Sequence[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
@@ -240,7 +247,7 @@ class Sampler:
                 generators: Sequence[torch.Generator | None]) -> list[int]:
         params = [r.sampling_params for r in reqs]
         sampled = [i for i, p in enumerate(params) if not p.greedy]
-        out = logits.argmax(dim=-1).tolist() if len(sampled) < len(params) else [0] * len(params)
+        out = row_argmax(logits) if len(sampled) < len(params) else [0] * len(params)
         if not sampled:
             return out
         device = logits.device
