@@ -30,7 +30,7 @@ from pagedllm.engine.model_runner import ModelRunner
 from pagedllm.engine.output_processor import RequestState, SequenceState, to_logprob_dict
 from pagedllm.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagedllm.engine.request import Request, RequestStatus
-from pagedllm.engine.sampling_params import SamplingParams
+from pagedllm.engine.sampling_params import SamplingParams, logprobs_count
 from pagedllm.engine.scheduler import Scheduler, SchedulerOutput
 from pagedllm.engine.structured_output import StructuredOutputManager
 from pagedllm.errors import ConfigError, InvalidRequest, RequestTooLong, require_utf8
@@ -248,19 +248,10 @@ class Engine:
         within ``max_logprobs`` (-1: no limit; InvalidRequest naming the field), as vLLM checks them,
         on a copy of the params (the caller's are left as they were)."""
         limit, vocab = self.config.scheduler.max_logprobs, self.config.model.vocab_size
-        resolved = {}
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(params, name)
-            if value is None:
-                continue
-            count = vocab if value == -1 else min(value, vocab)
-            if limit != -1 and count > limit:
-                asked = f"-1 (the whole vocabulary, {vocab})" if value == -1 else str(value)
-                raise InvalidRequest(f"{name}: {asked} is more than this engine's max_logprobs ({limit}) allows "
-                                     "(max_logprobs -1 lifts the limit)")
-            if count != value:
-                resolved[name] = count
-        return dataclasses.replace(params, **resolved) if resolved else params
+        resolved = {name: logprobs_count(name, getattr(params, name), limit, vocab)
+                    for name in ("logprobs", "prompt_logprobs") if getattr(params, name) is not None}
+        changed = {name: count for name, count in resolved.items() if count != getattr(params, name)}
+        return dataclasses.replace(params, **changed) if changed else params
 
     def _check_params(self, params: SamplingParams) -> list[list[int]]:
         """Token ids named by the params must exist; returns the bad words as token-id sequences."""

@@ -35,9 +35,10 @@ class TokenLogprobs:
 
 
 def row_argmax(x: torch.Tensor) -> list[int]:
-    """Each row's first index of its largest value, as ``argmax(dim=-1)``: through ``max``, whose
-    reduction runs 2.5-3x faster on CPU (SmolLM2's 49,152 logits: 0.78 against 2.0 ms at 64 rows,
-    0.08 against 0.25 at 8, on an AMX Xeon); both take the first index of a tie."""
+    """Each row's first index of its largest value, as ``argmax(dim=-1)`` (both take the first
+    index of a tie), through ``max``, whose reduction ran 2.5-3x faster on an AMX Xeon with torch's
+    AVX-512 and its AVX2 kernels alike (SmolLM2's 49,152 logits: 0.77-0.85 against 2.0-2.1 ms at 64
+    rows; ``scripts/argmax_ab.py``; not measured on an AMD CPU)."""
     return x.max(dim=-1).indices.tolist()
 
 
@@ -165,9 +166,11 @@ def apply_logits_processors(logits: torch.Tensor, reqs: Sequence[Request]) -> to
     return logits
 
 
-def logprobs_of(logits: torch.Tensor, token_ids: Sequence[int], k: int) -> list[TokenLogprobs]:
+def logprobs_of(logits: torch.Tensor, token_ids: Sequence[int], k: int,
+                named: Sequence[list[int] | None] | None = None) -> list[TokenLogprobs]:
     """Log-probabilities of ``token_ids[i]`` under row i of logits [R, V], with their ranks and the
-    top ``k`` of each row."""
+    top ``k`` of each row; a row with ``named[i]`` (``logprob_token_ids``) gets those tokens, with
+    their ranks, in place of its top ``k``."""
     logp = torch.log_softmax(logits.float(), dim=-1)
     ids = torch.tensor(token_ids, device=logits.device, dtype=torch.long).unsqueeze(1)
     chosen = logp.gather(1, ids)
@@ -178,16 +181,14 @@ def logprobs_of(logits: torch.Tensor, token_ids: Sequence[int], k: int) -> list[
         top_lp, top_ids = top_lp.tolist(), top_ids.tolist()
     else:
         top_lp = top_ids = [[] for _ in token_ids]
-    return [TokenLogprobs(t, chosen[i], ranks[i], list(zip(top_ids[i], top_lp[i], strict=True)))
-            for i, t in enumerate(token_ids)]
-
-
-def named_logprobs(logits: torch.Tensor, token_ids: Sequence[int]) -> tuple[list[tuple[int, float]], list[int]]:
-    """``logprob_token_ids``: ((token id, logprob) in the order given, their ranks) under one row of logits [V]."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    values = logp[torch.tensor(token_ids, device=logits.device, dtype=torch.long)]
-    ranks = ((logp.unsqueeze(0) > values.unsqueeze(1)).sum(-1) + 1).tolist()
-    return list(zip(token_ids, values.tolist(), strict=True)), ranks
+    out = [TokenLogprobs(t, chosen[i], ranks[i], list(zip(top_ids[i], top_lp[i], strict=True)))
+           for i, t in enumerate(token_ids)]
+    for i, wanted in enumerate(named or ()):
+        if wanted is not None:  # in the order given, each with its rank
+            values = logp[i, torch.tensor(wanted, device=logits.device, dtype=torch.long)]
+            out[i].top = list(zip(wanted, values.tolist(), strict=True))
+            out[i].top_ranks = ((logp[i].unsqueeze(0) > values.unsqueeze(1)).sum(-1) + 1).tolist()
+    return out
 
 
 class Sampler:
@@ -216,14 +217,12 @@ class Sampler:
             return tokens, {}
         k = max((reqs[i].sampling_params.logprobs for i in wanted
                  if reqs[i].sampling_params.logprob_token_ids is None), default=0)
-        lps = logprobs_of(raw[torch.tensor(wanted, device=raw.device)], [tokens[i] for i in wanted], k)
+        named = [reqs[i].sampling_params.logprob_token_ids for i in wanted]
+        lps = logprobs_of(raw[torch.tensor(wanted, device=raw.device)], [tokens[i] for i in wanted], k, named)
         out = {}
         for i, lp in zip(wanted, lps, strict=True):
-            named = reqs[i].sampling_params.logprob_token_ids
-            if named is None:
+            if reqs[i].sampling_params.logprob_token_ids is None:
                 lp.top = lp.top[:reqs[i].sampling_params.logprobs]
-            else:
-                lp.top, lp.top_ranks = named_logprobs(raw[i], named)
             out[i] = lp
         return tokens, out
 

@@ -21,8 +21,23 @@ import json
 import operator
 from dataclasses import dataclass, field
 
+from pagedllm.errors import InvalidRequest
+
 SAMPLING_EPS = 1e-5  # temperatures below this are greedy, as in vLLM
 MAX_LOGPROB_TOKEN_IDS = 128  # the most tokens logprob_token_ids may name, as vLLM
+
+
+def logprobs_count(name: str, value: int, max_logprobs: int, vocab_size: int) -> int:
+    """A logprobs count (``logprobs``, ``top_logprobs``, ``prompt_logprobs``) as vLLM takes it: -1
+    is the vocabulary's size (and no count exceeds it), and the result must be within
+    ``max_logprobs`` (-1: no limit), else an ``InvalidRequest`` naming ``name``. One rule for the
+    engine (``LLM``) and the server, which checks first so its formatting has the same count."""
+    count = vocab_size if value == -1 else min(value, vocab_size)
+    if max_logprobs != -1 and count > max_logprobs:
+        asked = f"-1 (the whole vocabulary, {vocab_size})" if value == -1 else str(value)
+        raise InvalidRequest(f"{name}: {asked} is more than max_logprobs ({max_logprobs}) allows "
+                             "(--max-logprobs; -1 lifts the limit)")
+    return count
 
 
 class RequestOutputKind(enum.Enum):

@@ -156,7 +156,7 @@ class SamplingFields(_Request):
     service_tier: Literal["auto", "default"] | None = no_op("OpenAI's processing tier; this server has one")
 
     @model_validator(mode="after")
-    def _stream_options_need_a_stream(self):
+    def _cross_field_rules(self):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only allowed when stream is true")
         if self.length_penalty != 1.0 and not self.use_beam_search:  # sampling has no use for it: not ignored

@@ -23,7 +23,7 @@ from fastapi import Request
 
 from pagedllm.engine.async_engine import AsyncEngine, RequestStream
 from pagedllm.engine.outputs import RequestOutput
-from pagedllm.engine.sampling_params import SamplingParams
+from pagedllm.engine.sampling_params import SamplingParams, logprobs_count
 from pagedllm.engine.structured_output import GRAMMAR_REJECTED
 from pagedllm.errors import InvalidRequest, require_utf8
 from pagedllm.server.errors import OpenAIError, as_openai_error
@@ -88,23 +88,21 @@ class ServerContext:
 
     def resolve_logprobs(self, req):
         """``req`` with its logprobs counts (``logprobs`` on completions, ``top_logprobs``,
-        ``prompt_logprobs``) as vLLM takes them: -1, the whole vocabulary, as its size, and each
-        within the engine's ``max_logprobs`` (-1: no limit; else a 400 naming the field)."""
-        limit = self.engine.engine.config.scheduler.max_logprobs
-        vocab = self.engine.engine.config.model.vocab_size
-        resolved = {}
+        ``prompt_logprobs``) as the engine takes them (``logprobs_count``: -1 is the whole
+        vocabulary; past ``--max-logprobs`` a 400 naming the field)."""
+        config = self.engine.engine.config
+        changed = {}
         for name in ("logprobs", "top_logprobs", "prompt_logprobs"):
             value = getattr(req, name, None)
             if value is None or isinstance(value, bool):  # chat's logprobs is a switch, not a count
                 continue
-            count = vocab if value == -1 else min(value, vocab)
-            if limit != -1 and count > limit:
-                asked = f"-1 (the whole vocabulary, {vocab})" if value == -1 else str(value)
-                raise OpenAIError(400, f"{name}: {asked} is more than this server allows (--max-logprobs "
-                                       f"{limit}; -1 lifts the limit)", name)
+            try:
+                count = logprobs_count(name, value, config.scheduler.max_logprobs, config.model.vocab_size)
+            except InvalidRequest as exc:
+                raise OpenAIError(400, str(exc), name) from None
             if count != value:
-                resolved[name] = count
-        return req.model_copy(update=resolved) if resolved else req
+                changed[name] = count
+        return req.model_copy(update=changed) if changed else req
 
     def cache_salt(self, requested: str | None, raw: Request) -> str | None:
         """The salt a request's blocks are hashed with: its ``cache_salt``, under its API key's

@@ -233,12 +233,13 @@ class CallScanner:
         self.value_key: str | None = None   # the key whose value is being read at the call's level
         self.calls: list[ScannedCall] = []
 
-    def arguments(self, index: int, text: str) -> str:
-        """Call ``index``'s arguments text so far (the whole value once it has closed)."""
+    def arguments(self, index: int, text: str, skip: int = 0) -> str:
+        """Call ``index``'s arguments text so far (the whole value once it has closed), from its
+        ``skip``-th character on (what a stream has not sent yet)."""
         call = self.calls[index]
         if call.args_start is None:
             return ""
-        return text[call.args_start:call.args_end if call.args_end is not None else self.pos]
+        return text[call.args_start + skip:call.args_end if call.args_end is not None else self.pos]
 
     def _at_call_level(self) -> bool:
         return self.call_depth is not None and len(self.stack) == self.call_depth
@@ -329,15 +330,17 @@ class ToolStream:
         for j, call in enumerate(self.scanner.calls):
             if call.name is None:
                 break  # the calls go out in order, each once its name is known
-            arguments = self.scanner.arguments(j, self.text)
-            if j == len(self.ids):
+            first = j == len(self.ids)
+            if first:
                 self.ids.append(_call_id())
-                self.args_sent.append(len(arguments))
+                self.args_sent.append(0)
+            new = self.scanner.arguments(j, self.text, skip=self.args_sent[j])  # only what is not sent yet
+            self.args_sent[j] += len(new)
+            if first:
                 out.append({"index": j, "id": self.ids[j], "type": "function",
-                            "function": {"name": call.name, "arguments": arguments}})
-            elif len(arguments) > self.args_sent[j]:
-                out.append({"index": j, "function": {"arguments": arguments[self.args_sent[j]:]}})
-                self.args_sent[j] = len(arguments)
+                            "function": {"name": call.name, "arguments": new}})
+            elif new:
+                out.append({"index": j, "function": {"arguments": new}})
         return out
 
     def feed(self, delta: str) -> str:
