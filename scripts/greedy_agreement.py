@@ -24,7 +24,7 @@ from pagedllm.models.loader import default_model_path
 CONFIGS = (("bf16 cpp", "bfloat16", "gguf", "cpp"), ("bf16 torch", "bfloat16", "gguf", "torch"),
            ("bf16 dense", "bfloat16", "none", "torch"), ("fp32 dense", "float32", "none", "torch"))
 LLAMACPP = Path(".venv-llamacpp/bin/python")
-WORKER = Path(__file__).parent.parent / "src/pagedllm/bench/peer_llamacpp_worker.py"
+WORKER = Path(__file__).parent.parent / "src/pagedllm/bench/peer_scripts/llamacpp_worker.py"
 
 
 def first_difference(a: list[int], b: list[int]) -> int:

@@ -74,7 +74,7 @@ fi
 sleep 5
 "$py" - "$pid" "$idle" "$work/idle.json" <<'EOF'
 import json, sys, time
-from pagedllm.bench.machine import machine_info, process_cpu_seconds
+from pagedllm.machine import machine_info, process_cpu_seconds
 pid, seconds = int(sys.argv[1]), float(sys.argv[2])
 t, c = time.perf_counter(), process_cpu_seconds(pid)
 time.sleep(seconds)

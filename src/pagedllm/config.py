@@ -19,10 +19,6 @@ from typing import Annotated, Literal
 from pydantic import ByteSize, ConfigDict, Field, PlainValidator, TypeAdapter, ValidationError
 from pydantic.dataclasses import dataclass as pydantic_dataclass
 
-from pagedllm.kvcache.contiguous import RESERVATIONS
-from pagedllm.kvcache.eviction import POLICIES
-from pagedllm.kvcache.hashing import HASH_ALGOS
-
 DEFAULT_MAX_LOGPROBS = 20  # the most logprobs a request may ask for by default, as vLLM's max_logprobs
 
 MIN_BLOCK_SIZE = 8
@@ -31,6 +27,9 @@ QUANTIZATIONS = ("auto", "none", "gguf")
 DEFAULT_STEP_TOKENS = 1024  # max_num_batched_tokens where no CPU family measured better (models/kernel_plan.py)
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "cpu", "triton", "reference")
+EVICTION_POLICIES = ("lru", "lfu", "lru-lfu", "size-weighted")  # kvcache/eviction.py
+HASH_ALGOS = ("xxh3_128", "sha256")  # prefix-cache block hashes (kvcache/hashing.py)
+RESERVATIONS = ("max_model_len", "request")  # what a contiguous request reserves (kvcache/contiguous.py)
 
 PositiveInt = Annotated[int, Field(strict=True, ge=1)]
 BlockSize = Annotated[int, Field(strict=True, ge=MIN_BLOCK_SIZE, le=MAX_BLOCK_SIZE)]
@@ -113,7 +112,7 @@ class CacheConfig:
         True, description="reuse cached full blocks of earlier prompts (paged layout only)")
     prefix_caching_hash_algo: Literal[HASH_ALGOS] = Field(
         "xxh3_128", description="block hash: xxh3_128 (keyed with a per-process random seed) or sha256")
-    eviction_policy: Literal[POLICIES] = Field(
+    eviction_policy: Literal[EVICTION_POLICIES] = Field(
         "lru", description="reuse order of free cached blocks, and choice of preemption victims")
     kv_layout: Literal["paged", "contiguous"] = Field(
         "paged", description="contiguous: the pre-PagedAttention baseline (one reservation per request)")

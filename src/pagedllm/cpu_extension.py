@@ -146,24 +146,3 @@ def installed_builds_report() -> list[str]:
         module, why_not = load_installed(source, BuildRecord.here(source))
         lines.append(f"{installed_module_name(source)}: {'installed build fits' if module else why_not}")
     return lines
-
-
-def build_all() -> list[str]:
-    """Load every C++ extension of the package, building into the cache what the installed build
-    does not cover (for ``PAGEDLLM_CPU_FAMILY``'s flags, say); one line per extension."""
-    from pagedllm.attention.cpu_kernel import EXTENSION as attention
-    from pagedllm.models.decoder_stack import EXTENSION as decoder_stack
-    from pagedllm.models.layer_ops import EXTENSION as layer_ops
-
-    extensions = (attention, layer_ops, decoder_stack)
-    return [f"{e.purpose}: {'loaded' if e.load() is not None else e.failure}" for e in extensions]
-
-
-if __name__ == "__main__":
-    # `python -m pagedllm.cpu_extension`: what the Makefile prints after installing; `--build`: build
-    # what does not fit (before `make test CPU_FAMILY=...`, whose suite never compiles)
-    if sys.argv[1:] == ["--build"]:
-        lines = build_all()
-        print("\n".join(lines))
-        sys.exit(0 if all(line.endswith(": loaded") for line in lines) else 1)
-    print("\n".join(installed_builds_report()))

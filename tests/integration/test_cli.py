@@ -165,7 +165,7 @@ def test_trace_writes_a_seeded_jsonl_trace_and_rejects_a_bad_rate(tmp_path):
     r = run_cli("trace", "--workload", "code", "--num-requests", "30", "--rate", "2", "--seed", "4", "--out", str(out))
     assert r.returncode == 0, r.stderr
     assert "requests=30" in r.stdout and "shared_prefixes=" in r.stdout
-    from pagedllm.bench.traces import make_trace, read_trace
+    from pagedllm.workloads.traces import make_trace, read_trace
 
     assert read_trace(out) == make_trace("code", 30, 2.0, 4)
     r = run_cli("trace", "--workload", "code", "--rate", "fast", "--out", str(out))

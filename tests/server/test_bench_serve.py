@@ -10,9 +10,9 @@ import math
 import httpx
 import pytest
 
-from pagedllm.bench.serve_bench import ServeBenchConfig, arrival_offsets, parse_logit_bias, run
-from pagedllm.bench.text_workload import text_workload
 from pagedllm.cli import main as cli_main
+from pagedllm.loadgen.serve_bench import ServeBenchConfig, arrival_offsets, parse_logit_bias, run
+from pagedllm.workloads.text import text_workload
 from tests.server.conftest import free_port
 
 
@@ -300,8 +300,8 @@ def test_bad_settings_raise_before_any_request(bad):
 def test_a_trace_sets_the_prompts_lengths_and_arrivals(server, tmp_path):
     """``--trace`` on ``bench serve`` and ``bench serve-offline``: the trace's prompt lengths (one
     word, one token), output lengths and arrival times; shared prefixes are shared words."""
-    from pagedllm.bench.text_workload import trace_text_workload
-    from pagedllm.bench.traces import TraceRequest, write_trace
+    from pagedllm.workloads.text import trace_text_workload
+    from pagedllm.workloads.traces import TraceRequest, write_trace
 
     trace = [TraceRequest(arrival=0.0, prompt_len=10, output_len=3, prefix_id="p", prefix_len=6),
              TraceRequest(arrival=0.0, prompt_len=12, output_len=2, prefix_id="p", prefix_len=6),

@@ -5,7 +5,7 @@ no wrong answer, no unexpected status, no leaked block, and RSS growth after war
 
 from __future__ import annotations
 
-from pagedllm.bench.soak import KINDS, run_soak
+from pagedllm.loadgen.soak import KINDS, run_soak
 
 
 def test_a_short_soak_loses_nothing(server):

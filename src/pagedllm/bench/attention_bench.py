@@ -17,6 +17,7 @@ query; no cached prefix), against SDPA with ``is_causal=True``, with each kernel
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import json
 import statistics
@@ -26,9 +27,8 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.attention.backends import get_backend
-from pagedllm.attention.metadata import AttentionMetadata
-
-HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
+from pagedllm.attention.random_case import HEAD_DIM, HEADS
+from pagedllm.attention.random_case import random_paged_case as case
 
 
 def _time(fn, repeats: int) -> float:
@@ -44,35 +44,6 @@ def _time(fn, repeats: int) -> float:
     return statistics.median(samples)
 
 
-def _case(batch: int, ctx: int, block: int, dtype: torch.dtype, gen: torch.Generator, device: str,
-          prefill: bool = False, order: str = "shuffled"):
-    """Random K/V for ``batch`` sequences of ``ctx`` tokens in blocks, their queries (the last
-    position of each, or with ``prefill`` every position), and the same K/V (and queries) laid out
-    contiguously per sequence for SDPA: [batch, heads, tokens, dim]. ``order``: ``shuffled`` blocks
-    (a pool after churn), or ``adjacent`` (each sequence's blocks one physical run, in order: what
-    merging adjacent blocks gives the kernel)."""
-    nblocks = -(-ctx // block)
-    total = batch * nblocks
-    k_cache = torch.randn(total, block, KV_HEADS, HEAD_DIM, generator=gen).to(device, dtype)
-    v_cache = torch.randn(total, block, KV_HEADS, HEAD_DIM, generator=gen).to(device, dtype)
-    if order not in ("shuffled", "adjacent"):
-        raise ValueError(f"block order must be shuffled or adjacent, got {order!r}")
-    ids = torch.randperm(total, generator=gen) if order == "shuffled" else torch.arange(total)
-    tables = ids.view(batch, nblocks).to(device)
-    per_seq = ctx if prefill else 1
-    q = torch.randn(batch * per_seq, HEADS, HEAD_DIM, generator=gen).to(device, dtype)
-    qsl = [i * per_seq for i in range(batch + 1)]
-    seq_lens = [ctx] * batch
-    meta = AttentionMetadata(
-        slot_mapping=torch.zeros(batch * per_seq, dtype=torch.long, device=device),
-        query_start_loc=torch.tensor(qsl, device=device), seq_lens=torch.tensor(seq_lens, device=device),
-        block_tables=tables, num_decodes=0 if prefill else batch, query_start_loc_list=qsl, seq_lens_list=seq_lens)
-    k_dense = k_cache[tables].reshape(batch, nblocks * block, KV_HEADS, HEAD_DIM)[:, :ctx].transpose(1, 2).contiguous()
-    v_dense = v_cache[tables].reshape(batch, nblocks * block, KV_HEADS, HEAD_DIM)[:, :ctx].transpose(1, 2).contiguous()
-    q_dense = q.view(batch, per_seq, HEADS, HEAD_DIM).transpose(1, 2).contiguous()
-    return q, k_cache, v_cache, meta, q_dense, k_dense, v_dense
-
-
 def run_prefill(batches, contexts, blocks, dtypes, backends, repeats: int, seed: int = 0,
                 device: str = "cpu", order: str = "shuffled") -> list[dict]:
     """Causal prefill attention: each backend against SDPA(is_causal), times and GFLOP/s."""
@@ -80,7 +51,7 @@ def run_prefill(batches, contexts, blocks, dtypes, backends, repeats: int, seed:
     rows = []
     for batch, ctx, block, dtype_name in itertools.product(batches, contexts, blocks, dtypes):
         dtype = getattr(torch, dtype_name)
-        q, kc, vc, meta, qd, kd, vd = _case(batch, ctx, block, dtype, gen, device, prefill=True, order=order)
+        q, kc, vc, meta, qd, kd, vd = case(batch, ctx, block, dtype, gen, device, prefill=True, order=order)
         flops = batch * 4 * HEADS * HEAD_DIM * ctx * (ctx + 1) / 2
 
         def sdpa(qd=qd, kd=kd, vd=vd):
@@ -110,7 +81,7 @@ def run(batches, contexts, blocks, dtypes, backends, repeats: int, seed: int = 0
     rows = []
     for batch, ctx, block, dtype_name in itertools.product(batches, contexts, blocks, dtypes):
         dtype = getattr(torch, dtype_name)
-        q, kc, vc, meta, qd, kd, vd = _case(batch, ctx, block, dtype, gen, device, order=order)  # qd: [b, h, 1, d]
+        q, kc, vc, meta, qd, kd, vd = case(batch, ctx, block, dtype, gen, device, order=order)  # qd: [b, h, 1, d]
         sdpa = _time(lambda qd=qd, kd=kd, vd=vd: F.scaled_dot_product_attention(qd, kd, vd, enable_gqa=True),
                      repeats)
         row = {"batch": batch, "context": ctx, "block_size": block, "dtype": dtype_name, "block_order": order,
@@ -141,7 +112,7 @@ def run_block_orders(batches, contexts, blocks, dtypes, repeats: int, seed: int 
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     for batch, ctx, block, dtype_name in itertools.product(batches, contexts, blocks, dtypes):
         dtype = getattr(torch, dtype_name)
-        cases = {order: _case(batch, ctx, block, dtype, gen, device, order=order) for order in ("shuffled", "adjacent")}
+        cases = {order: case(batch, ctx, block, dtype, gen, device, order=order) for order in ("shuffled", "adjacent")}
         times: dict[str, list[float]] = {order: [] for order in cases}
         for _ in range(repeats + 1):
             for order, (q, kc, vc, meta, *_) in cases.items():
@@ -206,3 +177,19 @@ def main(args) -> list[dict]:
     if args.plot and not args.prefill:
         plot(rows, backends, args.plot)
     return rows
+
+
+def add_cli_args(p: argparse.ArgumentParser) -> None:
+    """``pagedllm bench attention``'s flags."""
+    p.add_argument("--batch", default="1,8,32,64")
+    p.add_argument("--context", default="128,512,2048,4096")
+    p.add_argument("--block-size", default="16")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--backends", default="cpu,reference")
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--plot", default=None)
+    p.add_argument("--block-order", default="shuffled",
+                   help="shuffled (a pool after churn), adjacent (merged runs), or both: timed in alternation")
+    p.add_argument("--prefill", action="store_true",
+                   help="causal prefill of --context tokens per sequence instead of decode (GFLOP/s)")

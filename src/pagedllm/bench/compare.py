@@ -22,17 +22,19 @@ names the CPU.
 
 from __future__ import annotations
 
+import argparse
 import gc
 import json
 import math
 from pathlib import Path
 
-from pagedllm.bench.engine_replay import replay
-from pagedllm.bench.machine import machine_info
-from pagedllm.bench.mission import CLAIMED_SETUP, cost_per_m_tokens, format_table
-from pagedllm.bench.simulate_cmd import load_trace
-from pagedllm.bench.simulator import SimulationResult
-from pagedllm.bench.traces import summary
+from pagedllm.cli_args import add_trace_source
+from pagedllm.machine import machine_info
+from pagedllm.sim.engine_replay import replay
+from pagedllm.sim.inputs import load_trace
+from pagedllm.sim.mission import CLAIMED_SETUP, cost_per_m_tokens, format_table
+from pagedllm.sim.simulator import SimulationResult
+from pagedllm.workloads.traces import summary
 
 CONFIGS = {  # name: (kv_layout, enable_prefix_caching)
     "contiguous": ("contiguous", False),
@@ -105,7 +107,7 @@ def format_report(report: dict, markdown: bool = False) -> str:
 
 def plot(results: dict[str, SimulationResult], folder: Path, report: dict) -> None:
     """``compare_timeline.png``: KV memory held, sequences per step and fragmentation over time."""
-    from pagedllm.bench.simulate_cmd import plot_timeline
+    from pagedllm.sim.timeline import plot_timeline
 
     t = report["trace"]
     plot_timeline(results, folder / "compare_timeline.png", f"paged vs contiguous KV, {t['source']} "
@@ -116,3 +118,21 @@ def main(args) -> dict:
     if args.time_scale < 0 or not math.isfinite(args.time_scale):
         raise ValueError(f"--time-scale must be a non-negative number, got {args.time_scale}")
     return run(args)
+
+
+def add_cli_args(p: argparse.ArgumentParser) -> None:
+    """``pagedllm bench compare``'s flags."""
+    add_trace_source(p, workload="chat", num_requests=48, seed=False)
+    p.add_argument("--time-scale", type=float, default=1.0,
+                   help="multiply the trace's arrival times (0: every request at once, in trace order)")
+    p.add_argument("--configs", default="contiguous,paged,paged + prefix caching",
+                   help="the runs, comma-separated, in this order")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + output, the contiguous reservation (default: the model's context)")
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--price-per-hour", type=float, default=0.10,
+                   help="dollars per machine-hour for the cost row (default 0.10: a 2-vCPU cloud VM)")
+    p.add_argument("--plot", default=None, help="a folder for the PNG plot")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(kv_cache_memory="384MiB")

@@ -21,6 +21,7 @@ apache-tvm-ffi==0.1.15.post2 llguidance==1.9.1`` brings both; the engine depends
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import random
@@ -362,3 +363,12 @@ def main(args) -> dict:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
     return result
+
+
+def add_cli_args(p: argparse.ArgumentParser) -> None:
+    """``pagedllm bench grammar-libs``'s flags."""
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--steps", type=int, default=400)
+    p.add_argument("--threads", type=int, default=min(8, os.cpu_count() or 1))
+    p.add_argument("--repeats", type=int, default=3, help="runs per library (alternating); the fastest is shown")
+    p.add_argument("--single", default=None, help=argparse.SUPPRESS)  # one library, in a child process

@@ -13,6 +13,7 @@ Every figure is measured in one process, on the machine it runs on.
 
 from __future__ import annotations
 
+import argparse
 import json
 import platform
 import random
@@ -21,7 +22,7 @@ import time
 
 import torch
 
-from pagedllm.bench.workload import parse_range, random_workload
+from pagedllm.workloads.synthetic import parse_range, random_workload
 
 
 def machine() -> str:
@@ -268,3 +269,43 @@ def main(args) -> dict:
     if getattr(args, "plot", None):
         plot(report, args.plot)
     return report
+
+
+def add_prefix_cache_args(p: argparse.ArgumentParser) -> None:
+    """``pagedllm bench prefix-cache``'s flags."""
+    p.add_argument("--plot", default=None, help="also draw a PNG plot to this file")
+    p.add_argument("--conversations", type=int, default=2)
+    p.add_argument("--turns", type=int, default=8)
+    p.add_argument("--system-tokens", type=int, default=100)
+    p.add_argument("--user-tokens", type=int, default=200)
+    p.add_argument("--answer-tokens", type=int, default=32)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+
+
+def add_sharing_args(p: argparse.ArgumentParser) -> None:
+    """``pagedllm bench sharing``'s flags."""
+    p.add_argument("--plot", default=None, help="also draw a PNG plot to this file")
+    p.add_argument("--prompt-tokens", type=int, default=512)
+    p.add_argument("--output-tokens", type=int, default=64)
+    p.add_argument("--n", type=int, default=4)
+    p.add_argument("--beam-width", type=int, default=4)
+
+
+def add_fragmentation_args(p: argparse.ArgumentParser) -> None:
+    """``pagedllm bench fragmentation``'s flags."""
+    p.add_argument("--plot", default=None, help="also draw a PNG plot to this file")
+    p.add_argument("--num-requests", type=int, default=32)
+    p.add_argument("--prompt-len", default="32:512")
+    p.add_argument("--output-len", default="16:256")
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+
+
+def add_preemption_args(p: argparse.ArgumentParser) -> None:
+    """``pagedllm bench preemption``'s flags."""
+    p.add_argument("--plot", default=None, help="also draw a PNG plot to this file")
+    p.add_argument("--num-requests", type=int, default=16)
+    p.add_argument("--prompt-len", default="64:256")
+    p.add_argument("--output-len", default="64:128")
+    p.add_argument("--num-kv-blocks", type=int, default=64)
+    p.add_argument("--swap-space", default="256MiB")

@@ -18,6 +18,7 @@ the real ones, so the quantized kernels see their real block layout. Medians of 
 
 from __future__ import annotations
 
+import argparse
 import json
 from functools import partial
 
@@ -114,3 +115,10 @@ def main(args) -> dict:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
     return report
+
+
+def add_cli_args(p: argparse.ArgumentParser) -> None:
+    """``pagedllm bench matmul``'s flags."""
+    p.add_argument("--model", default=None)
+    p.add_argument("--rows", default="1,2,4,8,16,32,64")
+    p.add_argument("--repeats", type=int, default=50)

@@ -3,7 +3,7 @@
 Owns the peer side of the peer benchmark. A :class:`PeerSpec` names one engine at one setting
 (``vllm bfloat16``, ``vllm float32``, ``llama.cpp``) and the command that starts its worker: a
 script run by that peer's own venv Python (``make peers``), which imports nothing from pagedllm
-and speaks one protocol (``peer_vllm_worker.py``): ``{"ready": ...}`` on stdout once loaded,
+and speaks one protocol (``peer_scripts/vllm_worker.py``): ``{"ready": ...}`` on stdout once loaded,
 then one JSON result line per JSON job line on stdin. :class:`PeerWorker` runs one such process
 in its own process group, paused (SIGSTOP) between its jobs so an idle peer takes no CPU from
 the engine being timed, and killed whole when the benchmark ends or is terminated.
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 HERE = Path(__file__).parent
-WORKERS = {"vllm": HERE / "peer_vllm_worker.py", "llama.cpp": HERE / "peer_llamacpp_worker.py"}
+WORKERS = {"vllm": HERE / "peer_scripts" / "vllm_worker.py", "llama.cpp": HERE / "peer_scripts" / "llamacpp_worker.py"}
 PEERS = tuple(WORKERS)
 VLLM_DTYPES = ("bfloat16", "float16", "float32")
 

@@ -7,7 +7,7 @@ prefix-cache hits): *decode* ``C`` concurrent requests of ``--input-len`` prompt
 
 The peers (``--peer``): vLLM's CPU build at each dtype of ``--peer-dtype`` (on a CPU without
 native bf16 its bf16 GEMMs convert in the inner loop, so both bf16 and float32 are tried and the
-faster counts), and llama.cpp on the same GGUF file (``peer_llamacpp_worker.py``). pagedllm runs
+faster counts), and llama.cpp on the same GGUF file (``peer_scripts/llamacpp_worker.py``). pagedllm runs
 in this process (one ``LLM``); each peer setting in one long-lived worker under its own venv's
 Python (``bench/peer_workers.py``), so start-up compiles happen once and only warm runs count.
 Each engine first runs one untimed warm-up job; then for every round and workload all run back
@@ -20,6 +20,7 @@ venv is missing is skipped with a message saying how to get it.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import random
@@ -30,8 +31,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from pagedllm.bench.machine import machine_info, machine_steal_seconds
 from pagedllm.bench.peer_workers import PeerWorker, peer_specs
+from pagedllm.machine import machine_info, machine_steal_seconds
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,7 @@ class TraceWorkload:
 
     @classmethod
     def from_trace(cls, name: str, trace: list, vocab_size: int, tokenize) -> TraceWorkload:
-        from pagedllm.bench.traces import prompt_token_ids
+        from pagedllm.workloads.traces import prompt_token_ids
 
         if tokenize is None and any(r.prompt is not None for r in trace):
             raise ValueError("the trace has text prompts, and the model has no tokenizer")
@@ -196,7 +197,7 @@ def main(args) -> dict:
     from pagedllm.models.loader import resolve_model_path
 
     if args.trace:  # the trace alone; at most 256 sequences at once (vLLM's default), the same for both
-        from pagedllm.bench.traces import read_trace
+        from pagedllm.workloads.traces import read_trace
 
         trace = read_trace(args.trace)
         workloads, max_num_seqs = [], min(256, max(64, len(trace)))
@@ -314,3 +315,29 @@ def format_report(report: dict) -> str:
     if any("agreement" in e for row in report["workloads"] for e in row["settings"].values()):
         lines.append("agree: the share of each request's greedy tokens before its first difference from ours")
     return "\n".join(lines)
+
+
+def add_cli_args(p: argparse.ArgumentParser) -> None:
+    """``pagedllm bench peers``'s flags."""
+    p.add_argument("--concurrency", default="1,8,32,64", help="decode workloads: concurrent requests, comma-separated")
+    p.add_argument("--prefill", default="32x128,64x128,32x512,8x1024,4x2048",
+                   help="prefill workloads: NxL (N prompts of L tokens, max_tokens 1), comma-separated")
+    p.add_argument("--input-len", type=int, default=128, help="prompt tokens of the decode workloads")
+    p.add_argument("--output-len", type=int, default=128, help="new tokens of the decode workloads")
+    p.add_argument("--trace", default=None, help="a JSONL trace instead of the workloads above: its requests all "
+                                                 "at once, each with its output length")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--peer", default="vllm", help="the peers, comma-separated: vllm, llama.cpp")
+    p.add_argument("--peer-dtype", default="bfloat16,float32",
+                   help="vLLM's dtypes to try, comma-separated; the faster counts per workload")
+    p.add_argument("--peer-drop", type=float, default=2.0,
+                   help="after round 1, stop running a peer setting this many times slower than that peer's "
+                        "fastest on a workload (0: run all every round)")
+    p.add_argument("--peer-python", default=".venv-peers/bin/python", help="the vLLM venv's Python (make peers)")
+    p.add_argument("--peer-model", default=".peers/SmolLM2-135M-Instruct", help="the HF folder make peers writes")
+    p.add_argument("--llamacpp-python", default=".venv-llamacpp/bin/python",
+                   help="the llama.cpp venv's Python (make peers)")
+    p.add_argument("--llamacpp-model", default=None,
+                   help="the GGUF llama.cpp runs (default: the --model file when it is a GGUF)")
+    p.add_argument("--peer-worker", default=None, help=argparse.SUPPRESS)  # tests: a stand-in worker script
+    p.add_argument("--no-progress", action="store_true")

@@ -10,12 +10,14 @@ with the server's engine defaults otherwise. Reports the same throughput fields 
 
 from __future__ import annotations
 
+import argparse
 import json
 
-from pagedllm.bench.machine import CpuClock, machine_info
-from pagedllm.bench.text_workload import text_workload, trace_text_workload
-from pagedllm.bench.traces import read_trace
-from pagedllm.bench.workload import parse_range
+from pagedllm.cli_args import add_serve_workload_args
+from pagedllm.machine import CpuClock, machine_info
+from pagedllm.workloads.synthetic import parse_range
+from pagedllm.workloads.text import text_workload, trace_text_workload
+from pagedllm.workloads.traces import read_trace
 
 
 def main(args) -> dict:
@@ -64,3 +66,8 @@ def main(args) -> dict:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
     return report
+
+
+def add_cli_args(p: argparse.ArgumentParser) -> None:
+    """``pagedllm bench serve-offline``'s flags: those of ``bench serve``'s workload."""
+    add_serve_workload_args(p)

@@ -13,6 +13,7 @@ op would otherwise count as Python). Where the C++ decoder stack runs the layers
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
 from contextlib import contextmanager
@@ -132,3 +133,13 @@ def main(args) -> dict:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
     return report
+
+
+def add_cli_args(p: argparse.ArgumentParser) -> None:
+    """``pagedllm bench step``'s flags."""
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "cpu", "reference"])
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--context", type=int, default=128)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--layer-loop", default="auto", choices=["auto", "python"],
+                   help="auto: the C++ decoder stack where it applies; python: the Python layer loop (for A/B)")

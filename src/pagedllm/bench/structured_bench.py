@@ -20,6 +20,7 @@ A warm-up round first builds llguidance's tokenizer and compiles the grammars (t
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import json
 import statistics
@@ -143,3 +144,13 @@ def main(args) -> dict:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2, default=str)
     return report
+
+
+def add_cli_args(p: argparse.ArgumentParser) -> None:
+    """``pagedllm bench structured``'s flags."""
+    p.add_argument("--free", type=int, default=24, help="unconstrained requests")
+    p.add_argument("--constrained", type=int, default=8, help="JSON-schema requests kept in flight")
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--free-tokens", type=int, default=128)
+    p.add_argument("--constrained-max-tokens", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=3, help="alternating rounds; medians are shown")

@@ -8,6 +8,7 @@ Both count *useful* generated tokens: what each request asked for (EOS ignored o
 
 from __future__ import annotations
 
+import argparse
 import json
 import platform
 import time
@@ -15,7 +16,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from pagedllm.bench.workload import BenchRequest, random_workload
+from pagedllm.workloads.synthetic import BenchRequest, random_workload
 
 
 @dataclass
@@ -98,7 +99,7 @@ def load_hf_model(model_path, dtype: str):
 
 def main(args) -> dict:
     from pagedllm import LLM
-    from pagedllm.bench.workload import parse_range
+    from pagedllm.workloads.synthetic import parse_range
 
     prompt_len = parse_range(args.prompt_len, "--prompt-len")
     output_len = parse_range(args.output_len, "--output-len")
@@ -139,3 +140,14 @@ def main(args) -> dict:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
     return report
+
+
+def add_cli_args(p: argparse.ArgumentParser) -> None:
+    """``pagedllm bench throughput``'s flags."""
+    p.add_argument("--num-requests", type=int, default=32)
+    p.add_argument("--prompt-len", default="32:512", help="N or MIN:MAX (uniform)")
+    p.add_argument("--output-len", default="16:256", help="N or MIN:MAX (uniform)")
+    p.add_argument("--hf-batch-size", type=int, default=32)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    p.add_argument("--skip-hf", action="store_true", help="measure pagedllm only")

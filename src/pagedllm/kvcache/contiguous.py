@@ -13,11 +13,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from pagedllm.config import RESERVATIONS
 from pagedllm.kvcache.block import Block
 from pagedllm.kvcache.block_table import BlockTable
 from pagedllm.kvcache.copy_on_write import CopyOnWrite
-
-RESERVATIONS = ("max_model_len", "request")
 
 
 class ContiguousKVCacheManager:

@@ -35,9 +35,9 @@ import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
+from pagedllm.config import EVICTION_POLICIES as POLICIES
 from pagedllm.kvcache.block import Block, FreeBlockQueue
 
-POLICIES = ("lru", "lfu", "lru-lfu", "size-weighted")
 LRFU_LAMBDA = 0.5  # LRFU decay per clock tick: 0 = LFU, 1 ~ LRU
 COMPACT_SLACK = 16  # stale heap entries tolerated on top of twice the live ones
 

@@ -25,7 +25,8 @@ from collections.abc import Sequence
 
 import xxhash
 
-HASH_ALGOS = ("xxh3_128", "sha256")
+from pagedllm.config import HASH_ALGOS
+
 DEFAULT_HASH_ALGO = "xxh3_128"
 ROOT_HASH = 0
 PROCESS_HASH_SEED = secrets.randbits(64)  # the xxh3_128 key of this process; tests pass their own

@@ -8,6 +8,7 @@ the process exits with 0.
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import threading
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import uvicorn
 
+from pagedllm.cli_args import add_option_args, engine_options
 from pagedllm.engine.async_engine import AsyncEngine
 from pagedllm.engine.engine import Engine
 from pagedllm.server.app import build_app
@@ -114,3 +116,66 @@ def serve(options: dict, host: str = "127.0.0.1", port: int = 8000, api_keys: tu
     finally:
         async_engine.shutdown()
     return 0
+
+
+def add_cli_args(p: argparse.ArgumentParser) -> None:
+    """``pagedllm serve``'s flags: the server's own, then one per engine option."""
+    p.add_argument("model_path", nargs="?", default=None, metavar="MODEL",
+                   help="local .gguf file or HF folder (same as --model)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (loopback by default)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", action="append", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize and /dashboard/state; "
+                        "repeat for several keys, one per tenant (default: $PAGEDLLM_API_KEY, comma-separated, "
+                        "else no key)")
+    p.add_argument("--cache-salt-per-key", action="store_true",
+                   help="salt each API key's prefix cache apart: no tenant's request hits (or learns of, through "
+                        "cached_tokens or timing) another's cached prefixes")
+    p.add_argument("--guard-metrics", action="store_true", help="with --api-key, guard /metrics too "
+                                                                "(open by default, for scrapers, as vLLM's)")
+    p.add_argument("--max-prompt-bytes", type=int, default=None,
+                   help="refuse prompt text over this many UTF-8 bytes before tokenizing it (default: "
+                        "max_model_len x the vocabulary's longest token, in bytes)")
+    p.add_argument("--max-logit-bias", type=int, default=1024, help="most logit_bias entries per request")
+    p.add_argument("--max-stop", type=int, default=64, help="most stop strings per request")
+    p.add_argument("--default-chat-max-tokens", type=int, default=None,
+                   help="max_tokens of a chat request that gives none (default: the rest of the context)")
+    p.add_argument("--header-timeout", type=float, default=10.0,
+                   help="seconds a client has to send a request's headers (slow clients are disconnected)")
+    p.add_argument("--body-timeout", type=float, default=30.0,
+                   help="seconds a client has to send a request's body after its headers (else 408)")
+    p.add_argument("--served-model-name", default=None, help="the model name clients send "
+                                                             "(default: MODEL, or the model file's name)")
+    p.add_argument("--max-queue", type=int, default=1024,
+                   help="most requests waiting for a sequence slot; more get 429 with Retry-After")
+    p.add_argument("--max-body-bytes", type=int, default=None, help="largest request body (default 8 MiB)")
+    p.add_argument("--uvicorn-log-level", default="warning", choices=["critical", "error", "warning", "info"])
+    p.add_argument("--metrics-prefix", default="pagedllm", choices=["pagedllm", "vllm"],
+                   help="name the /metrics series pagedllm:* (default) or vllm:* with vLLM's model_name label, "
+                        "for dashboards built for vLLM")
+    p.add_argument("--tool-call-parser", default="hermes", choices=["hermes", "json"],
+                   help="how tool_choice 'auto' finds calls in the output: <tool_call> blocks (hermes, as Qwen2.5 "
+                        "writes them) or a whole-output JSON call (json)")
+    p.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template (a file, or the template itself) in place of the model's")
+    p.add_argument("--root-path", default="",
+                   help="the path prefix a proxy serves this server under (e.g. /llm), as vLLM's --root-path")
+    add_option_args(p)
+
+
+def main(args) -> int:
+    """``pagedllm serve``: the engine options and server flags of a parsed command line, served."""
+    options = engine_options(args)
+    if args.model_path is not None:
+        if options.get("model") not in (None, args.model_path):
+            raise ValueError("give the model once: as MODEL or as --model")
+        options["model"] = args.model_path
+    limits = ServerLimits(max_prompt_bytes=args.max_prompt_bytes, max_logit_bias=args.max_logit_bias,
+                          max_stop=args.max_stop, default_chat_max_tokens=args.default_chat_max_tokens,
+                          header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout)
+    return serve(options, host=args.host, port=args.port, api_keys=tuple(args.api_key or ()),
+                 served_model_name=args.served_model_name, max_queue=args.max_queue,
+                 max_body_bytes=args.max_body_bytes, uvicorn_log_level=args.uvicorn_log_level, limits=limits,
+                 guard_metrics=args.guard_metrics, salt_per_key=args.cache_salt_per_key,
+                 metrics_prefix=args.metrics_prefix, root_path=args.root_path,
+                 tool_call_parser=args.tool_call_parser, chat_template=args.chat_template)

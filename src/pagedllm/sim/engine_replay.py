@@ -18,10 +18,10 @@ from __future__ import annotations
 import time
 from collections import deque
 
-from pagedllm.bench.simulator import RequestRecord, SimulationResult, StepSample, longest_admissible
-from pagedllm.bench.traces import TraceRequest, prompt_token_ids
 from pagedllm.engine.sampling_params import RequestOutputKind, SamplingParams
 from pagedllm.errors import PagedLLMError
+from pagedllm.sim.simulator import RequestRecord, SimulationResult, StepSample, longest_admissible
+from pagedllm.workloads.traces import TraceRequest, prompt_token_ids
 
 COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions")
 

@@ -1,21 +1,21 @@
-"""Block placement experiments (``bench/placement.py``): merging adjacent blocks and a reserve of
+"""Block placement experiments (``sim/placement.py``): merging adjacent blocks and a reserve of
 large blocks, on the engine's own KV manager."""
 
 from __future__ import annotations
 
 import pytest
 
-from pagedllm.bench.placement import (
+from pagedllm.config import CacheConfig, SchedulerConfig
+from pagedllm.sim.placement import (
     AdjacentKVManager,
     ReserveKVManager,
     compare_placements,
     make_manager,
     run_stats,
 )
-from pagedllm.bench.shapes import Device, ModelShape
-from pagedllm.bench.simulator import StepTimeModel
-from pagedllm.bench.traces import TraceRequest
-from pagedllm.config import CacheConfig, SchedulerConfig
+from pagedllm.sim.shapes import Device, ModelShape
+from pagedllm.sim.simulator import StepTimeModel
+from pagedllm.workloads.traces import TraceRequest
 
 
 def test_run_stats_counts_physical_runs():

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import numpy as np
 
-from pagedllm.bench.engine_replay import replay
-from pagedllm.bench.shapes import DTYPE_BYTES, Device, ModelShape, get_device
-from pagedllm.bench.simulator import StepTimeModel, simulate
-from pagedllm.bench.traces import TraceRequest, make_trace
+from pagedllm.sim.engine_replay import replay
+from pagedllm.sim.shapes import DTYPE_BYTES, Device, ModelShape, get_device
+from pagedllm.sim.simulator import StepTimeModel, simulate
+from pagedllm.workloads.traces import TraceRequest, make_trace
 
 
 def shape_of(model_config) -> ModelShape:

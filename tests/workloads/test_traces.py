@@ -10,7 +10,7 @@ import statistics
 
 import pytest
 
-from pagedllm.bench.traces import (
+from pagedllm.workloads.traces import (
     CHAT_SYSTEM_PROMPT_LEN,
     CODE_HEADER_LEN,
     TraceError,

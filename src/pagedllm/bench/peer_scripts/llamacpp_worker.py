@@ -2,7 +2,7 @@
 
 Runs under ``.venv-llamacpp/bin/python`` (``llama-cpp-python`` built for this CPU by ``make
 peers``), by path: it imports nothing from pagedllm. It speaks the protocol of
-``peer_vllm_worker.py``: ``{"ready": ...}`` on stdout, then one JSON line per job read from stdin,
+``peer_scripts/vllm_worker.py``: ``{"ready": ...}`` on stdout, then one JSON line per job read from stdin,
 ``{"prompts": [[token ids], ...], "max_tokens": [...]}`` -> ``{"seconds", "output_tokens",
 "prompt_tokens", "token_ids"}``.
 

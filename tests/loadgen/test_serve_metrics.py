@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from pagedllm import cpu_features
-from pagedllm.bench.machine import KERNEL_FLAGS, CpuClock, machine_info, process_cpu_seconds
-from pagedllm.bench.serve_metrics import RequestRecord, distribution_ms, percentile, summarize
-from pagedllm.bench.text_workload import WORDS, text_workload
 from pagedllm.build_record import emulated_family
+from pagedllm.loadgen.serve_metrics import RequestRecord, distribution_ms, percentile, summarize
+from pagedllm.machine import KERNEL_FLAGS, CpuClock, machine_info, process_cpu_seconds
+from pagedllm.workloads.text import WORDS, text_workload
 
 
 def record(index: int, start: float, chunks: list[float], end: float, tokens: int | None = None) -> RequestRecord:

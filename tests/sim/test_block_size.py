@@ -6,12 +6,12 @@ import json
 
 import pytest
 
-from pagedllm.bench.block_size import choose, neighbours, objective, parse_block_sizes, sweep
-from pagedllm.bench.shapes import Device, ModelShape
-from pagedllm.bench.simulator import StepTimeModel
-from pagedllm.bench.traces import TraceRequest, make_trace
 from pagedllm.cli import main
 from pagedllm.config import SchedulerConfig
+from pagedllm.sim.block_size import choose, neighbours, objective, parse_block_sizes, sweep
+from pagedllm.sim.shapes import Device, ModelShape
+from pagedllm.sim.simulator import StepTimeModel
+from pagedllm.workloads.traces import TraceRequest, make_trace
 
 TINY = ModelShape("tiny", 2, 64, 4, 2, 16, 128, 512)
 
@@ -60,7 +60,7 @@ def test_sweep_terms_follow_their_definitions():
 
 def test_sweep_command_reports_a_choice_per_alpha(tmp_path, capsys):
     trace = make_trace("sharegpt", 60, seed=1)
-    from pagedllm.bench.traces import write_trace
+    from pagedllm.workloads.traces import write_trace
 
     write_trace(tmp_path / "t.jsonl", trace)
     rc = main(["simulate", "--sweep-block-size", "--trace", str(tmp_path / "t.jsonl"), "--model", "llama-2-7b",

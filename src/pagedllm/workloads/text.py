@@ -59,7 +59,7 @@ def _word_stream(name: str, count: int) -> list[str]:
 
 
 def trace_text_workload(trace) -> list[TextRequest]:
-    """Text prompts for a trace's requests (``bench/traces.py``): a request's own ``prompt``, else
+    """Text prompts for a trace's requests (``workloads/traces.py``): a request's own ``prompt``, else
     ``prompt_len`` words that keep the trace's sharing as ``traces.prompt_token_ids`` keeps it in
     token ids: its shared prefix's words, then its conversation's (so a turn starts with the
     previous turn's prompt) or its own. One word is one token in SmolLM2's vocabulary."""

@@ -149,7 +149,7 @@ def test_bad_peers_are_named(peers, dtypes, message):
 
 
 def test_a_trace_runs_as_one_workload_with_its_output_lengths_and_sharing(tiny, tmp_path):
-    from pagedllm.bench.traces import TraceRequest, write_trace
+    from pagedllm.workloads.traces import TraceRequest, write_trace
 
     trace = [TraceRequest(arrival=0.0, prompt_len=12, output_len=2, prefix_id="p", prefix_len=8),
              TraceRequest(arrival=1.0, prompt_len=10, output_len=5, prefix_id="p", prefix_len=8),

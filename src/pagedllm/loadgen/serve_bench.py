@@ -1,7 +1,7 @@
 """``pagedllm bench serve``: load on any OpenAI-compatible server, measured as ``vllm bench serve`` does.
 
 Owns the client side of a serving benchmark: it sends ``num_prompts`` seeded synthetic requests
-(random-word prompts, ``bench/text_workload.py``) to ``/v1/completions`` or ``/v1/chat/completions``
+(random-word prompts, ``workloads/text.py``) to ``/v1/completions`` or ``/v1/chat/completions``
 through the official ``openai.AsyncOpenAI`` client, each streamed (``stream_options.include_usage``)
 with ``max_tokens`` = its output length and ``ignore_eos`` as an extra body field, so every request
 generates exactly what it asked for (vLLM and pagedllm both accept it; for a server that ignores
@@ -18,6 +18,7 @@ process's own CPU time over the run (the load generator's share of the cores) an
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import math
@@ -28,10 +29,11 @@ from dataclasses import asdict, dataclass
 
 import openai
 
-from pagedllm.bench.machine import CpuClock, machine_info, process_cpu_seconds
-from pagedllm.bench.serve_metrics import RequestRecord, summarize
-from pagedllm.bench.text_workload import TextRequest, text_workload, trace_text_workload
-from pagedllm.bench.traces import read_trace
+from pagedllm.cli_args import add_serve_workload_args
+from pagedllm.loadgen.serve_metrics import RequestRecord, summarize
+from pagedllm.machine import CpuClock, machine_info, process_cpu_seconds
+from pagedllm.workloads.text import TextRequest, text_workload, trace_text_workload
+from pagedllm.workloads.traces import read_trace
 
 ENDPOINTS = ("completions", "chat")
 
@@ -293,7 +295,7 @@ def format_report(report: dict) -> str:
 
 
 def config_from_args(args) -> ServeBenchConfig:
-    from pagedllm.bench.workload import parse_range
+    from pagedllm.workloads.synthetic import parse_range
 
     return ServeBenchConfig(base_url=args.base_url, model=args.model, api_key=args.api_key, endpoint=args.endpoint,
                             num_prompts=args.num_prompts, input_len=parse_range(args.input_len, "--input-len"),
@@ -324,3 +326,19 @@ def main(args) -> dict:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
     return report
+
+
+def add_cli_args(p: argparse.ArgumentParser) -> None:
+    """``pagedllm bench serve``'s flags."""
+    p.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
+    p.add_argument("--model", default=None, help="model name to send (default: the first id of GET /models)")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--endpoint", default="completions", choices=["completions", "chat"])
+    add_serve_workload_args(p)
+    p.add_argument("--request-rate", type=float, default=float("inf"),
+                   help="requests per second, Poisson arrivals (default inf: all at once)")
+    p.add_argument("--server-pid", type=int, default=None, help="also report this local process's CPU time")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    p.add_argument("--logit-bias", default=None,
+                   help='JSON token id -> bias sent with every request, e.g. \'{"2": -100}\' to keep a server '
+                        "without ignore_eos (llama.cpp's) from stopping early")

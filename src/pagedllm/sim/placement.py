@@ -23,10 +23,10 @@ from __future__ import annotations
 
 from collections import deque
 
-from pagedllm.bench.simulator import simulate
 from pagedllm.config import CacheConfig
 from pagedllm.kvcache.allocator import BlockAllocator
 from pagedllm.kvcache.manager import KVCacheManager
+from pagedllm.sim.simulator import simulate
 
 PLACEMENTS = ("policy", "adjacent", "reserve")
 

@@ -7,11 +7,11 @@ import subprocess
 import sys
 
 from pagedllm import LLM
-from pagedllm.bench.engine_replay import replay
-from pagedllm.bench.shapes import MODELS, Device, ModelShape
-from pagedllm.bench.simulator import StepTimeModel, simulate
-from pagedllm.bench.traces import TraceRequest, make_trace
 from pagedllm.config import CacheConfig, SchedulerConfig
+from pagedllm.sim.engine_replay import replay
+from pagedllm.sim.shapes import MODELS, Device, ModelShape
+from pagedllm.sim.simulator import StepTimeModel, simulate
+from pagedllm.workloads.traces import TraceRequest, make_trace
 from tests.conftest import make_tiny_checkpoint
 
 TINY = ModelShape("tiny", 2, 64, 4, 2, 16, 128, 512)
@@ -88,7 +88,7 @@ def test_paged_holds_more_concurrent_sequences_than_contiguous_at_the_same_budge
 
 
 def test_the_simulator_imports_no_torch():
-    code = ("import sys; import pagedllm.bench.simulator, pagedllm.bench.shapes, pagedllm.bench.traces; "
+    code = ("import sys; import pagedllm.sim.simulator, pagedllm.sim.shapes, pagedllm.workloads.traces; "
             "print('torch' in sys.modules)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and r.stdout.strip() == "False", r.stderr
@@ -97,8 +97,8 @@ def test_the_simulator_imports_no_torch():
 def test_calibration_fit_recovers_the_rates_that_made_the_samples():
     import random
 
-    from pagedllm.bench.calibrate import fit
-    from pagedllm.bench.shapes import get_device
+    from pagedllm.sim.calibrate import fit
+    from pagedllm.sim.shapes import get_device
 
     rng = random.Random(0)
     samples = []

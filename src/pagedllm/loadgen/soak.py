@@ -15,6 +15,7 @@ RSS growth after the warm-up stays under 50 MB.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import json
@@ -181,3 +182,12 @@ def main(args) -> None:
         print(f"{key}: {len(report[key])}" + "".join(f"\n  {x}" for x in report[key][:10]))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
+
+
+def add_cli_args(p: argparse.ArgumentParser) -> None:
+    """``pagedllm bench soak``'s flags."""
+    p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    p.add_argument("--server-pid", type=int, default=None, help="sample this local process's RSS")
+    p.add_argument("--duration", type=float, default=600.0, help="seconds (default 10 minutes)")
+    p.add_argument("--clients", type=int, default=32)
+    p.add_argument("--kill-every", type=float, default=3.0, help="seconds between kills of every client")

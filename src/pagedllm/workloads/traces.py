@@ -28,6 +28,7 @@ in order, each a think time after the previous one; the replay does not wait for
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import random
@@ -204,8 +205,21 @@ def summary(trace: list[TraceRequest]) -> dict:
 
 def main(args) -> dict:
     """``pagedllm trace``: write a generated trace as JSONL and print its summary."""
-    trace = make_trace(args.workload, args.num_requests, float(args.rate), args.seed)
+    try:
+        args.rate = float(args.rate)
+    except ValueError:
+        raise ValueError(f"--rate must be a number or inf, got {args.rate!r}") from None
+    trace = make_trace(args.workload, args.num_requests, args.rate, args.seed)
     write_trace(args.out, trace)
     info = {"workload": args.workload, "rate": args.rate, "seed": args.seed, "file": str(args.out), **summary(trace)}
     print(" ".join(f"{k}={v}" for k, v in info.items()))
     return info
+
+
+def add_cli_args(p: argparse.ArgumentParser) -> None:
+    """``pagedllm trace``'s flags."""
+    p.add_argument("--workload", required=True, choices=["sharegpt", "alpaca", "chat", "code"])
+    p.add_argument("--num-requests", type=int, default=1000)
+    p.add_argument("--rate", default="inf", help="Poisson arrivals per second (inf: all at t=0)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True, help="the JSONL file to write")

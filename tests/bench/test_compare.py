@@ -8,10 +8,10 @@ import json
 import pytest
 
 from pagedllm import LLM
-from pagedllm.bench.engine_replay import replay
-from pagedllm.bench.mission import CLAIMS, cost_per_m_tokens, format_table
-from pagedllm.bench.traces import TraceRequest, write_trace
 from pagedllm.cli import main
+from pagedllm.sim.engine_replay import replay
+from pagedllm.sim.mission import CLAIMS, cost_per_m_tokens, format_table
+from pagedllm.workloads.traces import TraceRequest, write_trace
 from tests.conftest import make_tiny_checkpoint
 
 # the tiny checkpoint: 2 layers x 2 KV heads x head dim 16, float32: 512 bytes of K and V per token

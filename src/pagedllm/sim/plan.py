@@ -25,15 +25,17 @@ minute for a thousand-request trace.
 
 from __future__ import annotations
 
+import argparse
 import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from pagedllm.bench.block_size import choose, parse_block_sizes, sweep
-from pagedllm.bench.shapes import DTYPE_BYTES, get_device, get_model
-from pagedllm.bench.simulate_cmd import load_trace
-from pagedllm.bench.simulator import StepTimeModel, simulate
+from pagedllm.cli_args import add_shape_presets, add_trace_source
 from pagedllm.config import CacheConfig, SchedulerConfig
+from pagedllm.sim.block_size import choose, parse_block_sizes, sweep
+from pagedllm.sim.inputs import load_trace
+from pagedllm.sim.shapes import DTYPE_BYTES, get_device, get_model
+from pagedllm.sim.simulator import StepTimeModel, simulate
 
 MEMORY_SHARES = (0.1, 0.2, 0.3, 0.5, 0.7, 0.9)
 
@@ -230,3 +232,24 @@ def main(args) -> dict:
         Path(args.json).write_text(json.dumps(report, indent=2))
     return report
 
+
+def add_cli_args(p: argparse.ArgumentParser) -> None:
+    """``pagedllm plan``'s flags."""
+    add_trace_source(p)
+    add_shape_presets(p)
+    p.add_argument("--dtypes", default="bfloat16,float32",
+                   help="dtypes to consider for the KV cache (the engine keeps K/V in the model's dtype)")
+    p.add_argument("--block-sizes", default="8,16,32,64,128")
+    p.add_argument("--alpha", type=float, default=0.3, help="the block-size formula's weight of Overhead(B)")
+    p.add_argument("--memory-shares", default="10%,20%,30%,50%,70%,90%",
+                   help="KV pool sizes to try, as shares of the memory the weights leave")
+    p.add_argument("--memory-utilization", type=float, default=0.9,
+                   help="share of the device's memory for weights + KV (vLLM's gpu_memory_utilization)")
+    p.add_argument("--tolerance", type=float, default=0.02,
+                   help="the smallest KV memory within this share of the best throughput is recommended")
+    p.add_argument("--max-num-seqs", default="64,128,256")
+    p.add_argument("--max-num-batched-tokens", default="2048,4096,8192")
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--json", default=None, help="also write the plan to this file")
+    p.add_argument("--no-progress", action="store_true")

@@ -22,13 +22,13 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from pagedllm.bench.shapes import Device, ModelShape
-from pagedllm.bench.traces import TraceRequest, prompt_token_ids
 from pagedllm.config import CacheConfig, SchedulerConfig
 from pagedllm.engine.request import Request, RequestStatus
 from pagedllm.engine.sampling_params import SamplingParams
 from pagedllm.engine.scheduler import Scheduler, SchedulerOutput
 from pagedllm.kvcache.factory import make_kv_manager
+from pagedllm.sim.shapes import Device, ModelShape
+from pagedllm.workloads.traces import TraceRequest, prompt_token_ids
 
 STAND_IN_TOKEN = 7  # what every simulated sample returns
 RETIRED_COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions")

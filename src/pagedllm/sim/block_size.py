@@ -31,8 +31,8 @@ import json
 import math
 from pathlib import Path
 
-from pagedllm.bench.simulator import simulate
 from pagedllm.config import CacheConfig
+from pagedllm.sim.simulator import simulate
 
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 KERNEL_BATCH = 32  # sequences per decode step when timing the kernel
@@ -102,13 +102,13 @@ def measure_kernel(block_sizes, context: int, repeats: int = 20) -> dict[int, fl
     import torch
 
     from pagedllm.attention.backends import get_backend
-    from pagedllm.bench.attention_bench import _case
-    from pagedllm.bench.shapes import MODELS
+    from pagedllm.attention.random_case import random_paged_case
+    from pagedllm.sim.shapes import MODELS
 
     layers = MODELS["smollm2-135m"].num_layers
     backend = get_backend("cpu", "cpu", 64)
     gen = torch.Generator().manual_seed(0)
-    cases = {b: _case(KERNEL_BATCH, context, b, torch.bfloat16, gen, "cpu")[:4] for b in block_sizes}
+    cases = {b: random_paged_case(KERNEL_BATCH, context, b, torch.bfloat16, gen, "cpu")[:4] for b in block_sizes}
     times: dict[int, list[float]] = {b: [] for b in block_sizes}
     for _ in range(repeats + 1):
         for b, (q, kc, vc, meta) in cases.items():
@@ -122,7 +122,7 @@ def check_engine(args, trace, block_sizes: list[int], pool_bytes: int) -> list[d
     """The real engine (paged, prefix caching as in the sweep) at each of ``block_sizes`` on ``trace``,
     all at once, with the sweep's pool bytes: measured output tokens/s and fragmentation."""
     from pagedllm import LLM
-    from pagedllm.bench.engine_replay import replay
+    from pagedllm.sim.engine_replay import replay
 
     rows = []
     for b in block_sizes:
@@ -159,7 +159,7 @@ class DynamicBlockSize:
         if len(finished) - self.planned_at < self.min_new:
             return None
         self.planned_at = len(finished)
-        from pagedllm.bench.traces import TraceRequest
+        from pagedllm.workloads.traces import TraceRequest
 
         observed = [TraceRequest(arrival=0.0, prompt_len=r.prompt_len, output_len=r.output_len)
                     for r in finished[-self.window:]]
@@ -230,7 +230,7 @@ def plot(points: list[dict], alpha: float, chosen: int, path: Path, title: str) 
 def main(args) -> dict:
     from tqdm import tqdm
 
-    from pagedllm.bench.simulate_cmd import setup
+    from pagedllm.sim.inputs import setup
 
     if not 0 < args.alpha <= 10:
         raise ValueError(f"--alpha must be in (0, 10], got {args.alpha}")

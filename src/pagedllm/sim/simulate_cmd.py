@@ -10,52 +10,18 @@ PNG plots of memory and batch over time, and a JSON report.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import time
 from pathlib import Path
 
-from pagedllm.bench.mission import CLAIMED_SETUP, cost_per_m_tokens, format_table
-from pagedllm.bench.shapes import DTYPE_BYTES, get_device, get_model
-from pagedllm.bench.simulator import SimulationResult, StepTimeModel, simulate
-from pagedllm.bench.traces import make_trace, read_trace
-from pagedllm.config import CacheConfig, SchedulerConfig, parse_memory_budget
-
-
-def kv_pool_bytes(device_memory: int, weight_bytes: int, kv_memory: str | None, utilization: float) -> int:
-    """Bytes for KV blocks: ``kv_memory`` ("8GiB", "25%" of what the weights leave), else
-    ``utilization`` x memory - weights. Raises when nothing is left."""
-    left = device_memory - weight_bytes
-    budget = None if kv_memory is None else parse_memory_budget(kv_memory)  # the engine's own parser
-    if budget is None:
-        pool = int(utilization * device_memory) - weight_bytes
-    elif isinstance(budget, str):  # "25%"
-        pool = int(float(budget[:-1]) / 100 * left)
-    else:
-        pool = int(budget)
-        if pool > left:
-            raise ValueError(f"--kv-memory {kv_memory} does not fit: the weights leave {left / 2**30:.1f} GiB")
-    if pool <= 0:
-        raise ValueError(f"no memory left for the KV cache: the weights take {weight_bytes / 2**30:.1f} GiB "
-                         f"of {device_memory / 2**30:.1f} GiB")
-    return pool
-
-
-def load_trace(args):
-    if args.trace:
-        return read_trace(args.trace)
-    return make_trace(args.workload, args.num_requests, float(args.rate), args.seed)
-
-
-def setup(args) -> tuple[StepTimeModel, list, int, SchedulerConfig]:
-    """(step-time model, trace, KV pool bytes, scheduler config) from the command's arguments."""
-    model, device = get_model(args.model), get_device(args.device)
-    timing = StepTimeModel(model, device, DTYPE_BYTES[args.dtype], DTYPE_BYTES[args.kv_dtype])
-    pool = kv_pool_bytes(device.memory_bytes, model.weight_bytes(timing.dtype_bytes), args.kv_memory,
-                         args.memory_utilization)
-    sched = SchedulerConfig(max_num_seqs=args.max_num_seqs or 256, max_model_len=args.max_model_len,
-                            max_num_batched_tokens=args.max_num_batched_tokens or 8192)
-    return timing, load_trace(args), pool, sched
+from pagedllm.cli_args import add_shape_presets, add_trace_source
+from pagedllm.config import CacheConfig
+from pagedllm.sim.inputs import setup
+from pagedllm.sim.mission import CLAIMED_SETUP, cost_per_m_tokens, format_table
+from pagedllm.sim.simulator import SimulationResult, simulate
+from pagedllm.sim.timeline import plot_timeline
 
 
 def run(args) -> dict:
@@ -95,8 +61,8 @@ def run(args) -> dict:
 
 def run_placements(args) -> dict:
     """``--placements``: the trace (paged) with the policy's placement, merging adjacent blocks, and a
-    reserve of large blocks (``bench/placement.py``)."""
-    from pagedllm.bench.placement import compare_placements
+    reserve of large blocks (``sim/placement.py``)."""
+    from pagedllm.sim.placement import compare_placements
 
     timing, trace, pool, sched = setup(args)
     num_blocks = int(pool // (args.block_size * timing.model.kv_bytes_per_token(timing.kv_dtype_bytes)))
@@ -133,37 +99,6 @@ def format_report(report: dict) -> str:
     return "\n".join(lines)
 
 
-def plot_timeline(results: dict[str, SimulationResult], path: Path, title: str, xlabel: str) -> None:
-    """One PNG, three panels over time for each run: KV memory held, sequences in the step, and
-    fragmentation. Shared by ``simulate --plot`` and ``bench compare --plot``."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    peak = max((s.used_blocks * r.bytes_per_block for r in results.values() for s in r.steps), default=0)
-    unit, scale = ("GiB", 2**30) if peak >= 2**30 else ("MiB", 2**20)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig, axes = plt.subplots(3, 1, figsize=(8, 8), sharex=True)
-    for name, res in results.items():
-        t = [s.time for s in res.steps]
-        per_token = res.bytes_per_block / res.block_size
-        axes[0].plot(t, [s.used_blocks * (s.block_size or res.block_size) * per_token / scale for s in res.steps],
-                     label=name)
-        axes[1].plot(t, [s.num_seqs for s in res.steps], label=name)
-        axes[2].plot(t, [100 * s.fragmentation for s in res.steps], label=name)
-    for ax, label in zip(axes, (f"KV memory held ({unit})", "sequences in the step", "fragmentation (%)"),
-                         strict=True):
-        ax.set_ylabel(label)
-        ax.grid(alpha=0.3)
-    axes[2].set_xlabel(xlabel)
-    axes[0].legend()
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 def plot(results: dict[str, SimulationResult], folder: Path, report: dict) -> None:
     plot_timeline(results, folder / "simulate_memory_batch.png",
                   f"{report['model']} on {report['device']}, {report['requests']} requests", "simulated time (s)")
@@ -171,11 +106,11 @@ def plot(results: dict[str, SimulationResult], folder: Path, report: dict) -> No
 
 def main(args) -> dict:
     if args.calibrate:
-        from pagedllm.bench import calibrate
+        from pagedllm.sim import calibrate
 
         return calibrate.main(args)
     if args.sweep_block_size:
-        from pagedllm.bench import block_size
+        from pagedllm.sim import block_size
 
         return block_size.main(args)
     if args.placements:
@@ -183,3 +118,54 @@ def main(args) -> dict:
     if not math.isfinite(args.memory_utilization) or not 0 < args.memory_utilization <= 1:
         raise ValueError(f"--memory-utilization must be in (0, 1], got {args.memory_utilization}")
     return run(args)
+
+
+def add_cli_args(p: argparse.ArgumentParser) -> None:
+    """``pagedllm simulate``'s flags: the trace, the shapes, the pool, and each mode's group."""
+    add_trace_source(p)
+    add_shape_presets(p)
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--kv-dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--kv-memory", default=None, help="KV pool: bytes ('8GiB') or a share of what the weights "
+                                                    "leave ('25%%'); default: --memory-utilization")
+    p.add_argument("--memory-utilization", type=float, default=0.9,
+                   help="share of the device's memory for weights + KV (vLLM's gpu_memory_utilization)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=None, help="default 256 (--calibrate: the engine's 64)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="default 8192 (--calibrate: the engine's 1024)")
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--layout", default="both", choices=["both", "paged", "contiguous"])
+    p.add_argument("--contiguous-reservation", default="max_model_len", choices=["max_model_len", "request"],
+                   help="what a contiguous request reserves: max_model_len, or its own prompt + output length")
+    p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="prefix caching for the paged layout")
+    p.add_argument("--price-per-hour", type=float, default=None,
+                   help="dollars per machine-hour for the cost row (default: the device preset's)")
+    p.add_argument("--plot", default=None, help="a folder for PNG plots")
+    p.add_argument("--json", default=None, help="also write the report to this file")
+    p.add_argument("--no-progress", action="store_true")
+    cal = p.add_argument_group("calibration (--calibrate: fit this CPU's step-time model to the real engine)")
+    cal.add_argument("--calibrate", action="store_true")
+    cal.add_argument("--engine-model", default=None, help="the model the engine runs (default: the embedded one)")
+    cal.add_argument("--calibration-workload", default="alpaca", choices=["sharegpt", "alpaca", "chat", "code"])
+    cal.add_argument("--calibration-requests", type=int, default=48)
+    cal.add_argument("--validate", default="sharegpt,code", help="held-out workloads, comma-separated")
+    sw = p.add_argument_group("block size (--sweep-block-size: B_opt = argmin Memory(B)/B + alpha * Overhead(B))")
+    sw.add_argument("--sweep-block-size", action="store_true")
+    sw.add_argument("--block-sizes", default="8,16,32,64,128")
+    sw.add_argument("--alpha", type=float, default=0.3, help="weight of Overhead(B) (the mission's 0.2-0.5)")
+    sw.add_argument("--kernel-times", action="store_true",
+                    help="measure the C++ decode kernel at each B for Overhead(B) (smollm2-135m on this-cpu)")
+    sw.add_argument("--check-engine", action="store_true",
+                    help="run the real engine at B_opt and its neighbours (smollm2-135m on this-cpu, --kv-memory)")
+    sw.add_argument("--check-requests", type=int, default=32, help="the first N requests of the trace, at once")
+    sw.add_argument("--adaptive", action="store_true",
+                    help="also replay the trace with the dynamic block-size policy against each fixed B")
+    sw.add_argument("--start-block-size", type=int, default=16, help="the dynamic policy's first B")
+    pg = p.add_argument_group("placement (--placements: merging adjacent blocks, a reserve of large blocks)")
+    pg.add_argument("--placements", action="store_true")
+    pg.add_argument("--reserve-share", type=float, default=0.25, help="share of the pool held in large blocks")
+    pg.add_argument("--run-blocks", type=int, default=4, help="blocks per large block (2-4)")
+    pg.add_argument("--threshold-blocks", type=int, default=8,
+                    help="a sequence holding this many blocks takes large ones")

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from pagedllm.bench.plan import Candidate, rank_key, smallest_sufficient
 from pagedllm.cli import main
 from pagedllm.config import EngineOptions
+from pagedllm.sim.plan import Candidate, rank_key, smallest_sufficient
 
 
 def _result(share: float, tok_s: float, preempt: float = 0.0, rejected: int = 0, ttft: float = 1.0) -> dict:
