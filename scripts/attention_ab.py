@@ -37,8 +37,8 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     for case in sys.argv[3].split(","):
         batch, ctx = (int(x) for x in case.split("x"))
-        q, kc, vc, meta, *_ = random_paged_case(batch, ctx, 16, torch.bfloat16, gen, "cpu", prefill=prefill)
-        args = (q, kc, vc, meta.query_start_loc, meta.seq_lens, meta.block_tables, 0.125)
+        q, kv, meta, *_ = random_paged_case(batch, ctx, 16, torch.bfloat16, gen, "cpu", prefill=prefill)
+        args = (q, kv.tensors, meta.query_start_loc, meta.seq_lens, meta.block_tables, 0.125)
         assert torch.equal(a.paged_attention(*args), b.paged_attention(*args)), "the builds' outputs differ"
         times = {"A": [], "B": []}
         for i in range(6 if prefill else 40):

@@ -44,7 +44,7 @@ def main() -> None:
 
     def call(layer: int):
         k_cache, v_cache = caches[layer]
-        return ops.paged_attention(query, k_cache, v_cache, starts, lens, tables, dim ** -0.5)
+        return ops.paged_attention(query, [k_cache, v_cache], starts, lens, tables, dim ** -0.5)
 
     for i in range(max(20, layers)):
         call(i % layers)

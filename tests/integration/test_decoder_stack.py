@@ -178,3 +178,31 @@ def test_without_onednn_packing_a_bf16_model_keeps_plain_float32_weights(tmp_pat
         assert llm.engine.kernel_plan.family == family and family in llm.engine.kernels_line()
         tokens[family] = [o.outputs[0].token_ids for o in llm.generate(prompts, PARAMS, use_tqdm=False)]
     assert tokens["baseline"] == tokens["avx2"]
+
+
+def test_the_stack_takes_one_layer_kv_per_layer_and_refuses_scaled_kv(tmp_path):
+    folder = make_tiny_checkpoint(tmp_path, "llama")
+    llm = LLM(model=folder, dtype="float32", block_size=8, num_kv_blocks=16, attention_backend="cpu")
+    runner = llm.engine.runner
+    stack = runner.model.decoder_stack(runner.backend)
+    if stack is None:
+        pytest.skip("the C++ decoder stack does not apply here (no C++ layer ops)")
+    from pagedllm.engine.model_runner import ScheduledChunk, build_metadata
+
+    input_ids, positions, meta = build_metadata([ScheduledChunk("a", [5, 6, 7], 0, [0], True)], 8,
+                                                torch.device("cpu"))
+    model = runner.model
+
+    def forward(layer_tensors):
+        return stack.forward(model.embed_tokens(input_ids), positions, model.rotary.cos, model.rotary.sin,
+                             layer_tensors, meta.slot_mapping, meta.query_start_loc, meta.seq_lens,
+                             meta.block_tables)
+
+    layers = runner.kv.layer_tensors
+    with torch.inference_mode():
+        assert forward(layers).shape == (3, model.config.hidden_size)
+        with pytest.raises(RuntimeError, match="one LayerKV per layer"):
+            forward(layers[:-1])
+        scales = torch.ones(runner.kv.num_blocks, model.config.num_kv_heads)
+        with pytest.raises(RuntimeError, match="reads K/V without scales"):
+            forward([(*layer, scales, scales) for layer in layers])

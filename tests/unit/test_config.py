@@ -73,13 +73,16 @@ def test_a_share_of_free_memory_sizes_the_pool_from_what_the_host_has_free():
     import torch
 
     from pagedllm.config import ModelConfig
-    from pagedllm.kvstore.storage import bytes_per_block, free_device_memory, num_blocks_for
+    from pagedllm.kvstore.spec import KVSpec
+    from pagedllm.kvstore.storage import free_device_memory, num_blocks_for
 
     model = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                         num_kv_heads=2, head_dim=16, max_position_embeddings=512)
-    per_block = bytes_per_block(model, 16, torch.float32)
+    spec = KVSpec.for_model(model, 16, torch.float32)
+    per_block = spec.bytes_per_block
+    assert per_block == 2 * 2 * 16 * 2 * 16 * 4  # K and V x layers x block x KV heads x head dim x 4 bytes
     free = free_device_memory("cpu")
-    n = num_blocks_for(model, CacheConfig(kv_cache_memory="1%"), torch.float32, "cpu")
+    n = num_blocks_for(spec, CacheConfig(kv_cache_memory="1%"), "cpu")
     assert abs(n - 0.01 * free / per_block) <= 0.001 * free / per_block + 1  # free memory moves a little
 
 

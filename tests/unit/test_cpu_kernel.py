@@ -8,6 +8,7 @@ import torch
 from pagedllm import cpu_features
 from pagedllm.attention.cpu_kernel import CpuBackend, dense_prefill_rows, load_cpu_kernel
 from pagedllm.attention.reference import ReferenceBackend
+from pagedllm.kvstore.spec import LayerKV
 from tests.unit.test_reference_attention import HEAD_DIM, assert_matches_reference, build_case, run_and_compare
 
 B = 16
@@ -69,7 +70,7 @@ def test_store_skips_padding_slots(backend):
     k_cache = torch.zeros(2, 4, 1, 2)
     v_cache = torch.zeros_like(k_cache)
     key = torch.ones(3, 1, 2)
-    backend.ops.store_kv(key, key * 2, k_cache, v_cache, torch.tensor([5, -1, 0]))
+    backend.ops.store_kv(key, key * 2, [k_cache, v_cache], torch.tensor([5, -1, 0]))
     flat = k_cache.view(8, 1, 2)
     assert flat[5].eq(1).all() and flat[0].eq(1).all() and flat[[1, 2, 3, 4, 6, 7]].eq(0).all()
 
@@ -99,9 +100,9 @@ def test_without_a_compiler_auto_falls_back_to_the_reference_and_says_so_once(mo
 def test_fused_store_and_attend_equals_store_then_attend(backend):
     k1, v1, query, new_k, new_v, meta, _ = build_case([(300, 1), (40, 9), (16, 16)], B, 9, 3, torch.bfloat16, seed=9)
     k2, v2 = k1.clone(), v1.clone()
-    backend.write_kv(k1, v1, new_k, new_v, meta)
-    separate = backend.forward(query, k1, v1, meta)
-    fused = backend.store_and_attend(query, new_k, new_v, k2, v2, meta)
+    backend.write_kv(LayerKV(k1, v1), new_k, new_v, meta)
+    separate = backend.forward(query, LayerKV(k1, v1), meta)
+    fused = backend.store_and_attend(query, new_k, new_v, LayerKV(k2, v2), meta)
     assert torch.equal(k1, k2) and torch.equal(v1, v2) and torch.equal(separate, fused)
 
 
@@ -122,8 +123,8 @@ def test_fused_rope_store_attend_equals_the_unfused_path(backend, dtype):
                                              ctx)])
     q, k, v = qkv.split([heads * HEAD_DIM, kv_heads * HEAD_DIM, kv_heads * HEAD_DIM], dim=-1)
     q, k = rotary(positions, q.reshape(num_tokens, heads, HEAD_DIM), k.reshape(num_tokens, kv_heads, HEAD_DIM))
-    unfused = backend.store_and_attend(q, k, v.reshape(num_tokens, kv_heads, HEAD_DIM), k1, v1, meta)
-    fused = backend.rope_store_attend(qkv, rotary.cos, rotary.sin, positions, k2, v2, meta, heads)
+    unfused = backend.store_and_attend(q, k, v.reshape(num_tokens, kv_heads, HEAD_DIM), LayerKV(k1, v1), meta)
+    fused = backend.rope_store_attend(qkv, rotary.cos, rotary.sin, positions, LayerKV(k2, v2), meta, heads)
     if dtype == torch.float32:  # same roundings as torch: bit for bit
         assert torch.equal(k1, k2) and torch.equal(v1, v2) and torch.equal(unfused, fused)
     else:  # torch rounds each bf16/fp16 product; the kernel rounds once
@@ -150,16 +151,16 @@ def test_out_of_pool_indices_raise_instead_of_touching_memory(backend):
     query = torch.randn(1, 1, 64)
     qsl, lens = torch.tensor([0, 1]), torch.tensor([9])
     with pytest.raises(RuntimeError, match="outside the pool"):
-        backend.ops.paged_attention(query, k_cache, v_cache, qsl, lens, torch.tensor([[0, 4]]), 0.125)
+        backend.ops.paged_attention(query, [k_cache, v_cache], qsl, lens, torch.tensor([[0, 4]]), 0.125)
     with pytest.raises(RuntimeError, match="table has"):
-        backend.ops.paged_attention(query, k_cache, v_cache, qsl, lens, torch.tensor([[0]]), 0.125)
+        backend.ops.paged_attention(query, [k_cache, v_cache], qsl, lens, torch.tensor([[0]]), 0.125)
     with pytest.raises(RuntimeError, match="outside the KV pool"):
-        backend.ops.store_kv(torch.ones(1, 1, 64), torch.ones(1, 1, 64), k_cache, v_cache, torch.tensor([32]))
+        backend.ops.store_kv(torch.ones(1, 1, 64), torch.ones(1, 1, 64), [k_cache, v_cache], torch.tensor([32]))
     assert k_cache.eq(0).all() and v_cache.eq(0).all()
     qkv = torch.randn(1, 3 * 64)
     table = torch.zeros(16, 64)
     with pytest.raises(RuntimeError, match="RoPE table"):
-        backend.ops.rope_store_attend(qkv, table, table, torch.tensor([16]), k_cache, v_cache, torch.tensor([0]),
+        backend.ops.rope_store_attend(qkv, table, table, torch.tensor([16]), [k_cache, v_cache], torch.tensor([0]),
                                       qsl, torch.tensor([1]), torch.tensor([[0]]), 0.125, 1)
 
 
@@ -194,9 +195,9 @@ def test_few_row_tiles_in_a_batch_equal_each_alone_and_dense(monkeypatch, head_d
     starts = torch.arange(len(contexts) + 1) * new_tokens
     query = torch.randn(len(contexts) * new_tokens, num_heads, head_dim, generator=generator).to(dtype)
     scale = head_dim ** -0.5
-    together = ops.paged_attention(query, k_cache, v_cache, starts, lens, tables, scale)
+    together = ops.paged_attention(query, [k_cache, v_cache], starts, lens, tables, scale)
     for s in range(len(contexts)):
         rows = slice(s * new_tokens, (s + 1) * new_tokens)
-        alone = ops.paged_attention(query[rows].contiguous(), k_cache, v_cache, torch.tensor([0, new_tokens]),
+        alone = ops.paged_attention(query[rows].contiguous(), [k_cache, v_cache], torch.tensor([0, new_tokens]),
                                     lens[s:s + 1], tables[s:s + 1].contiguous(), scale)
         assert torch.equal(alone, together[rows]), f"sequence {s} (context {contexts[s]})"

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from pagedllm.attention.reference import ReferenceBackend, blockwise_attention, write_kv
 from pagedllm.engine.model_runner import build_metadata
 from pagedllm.engine.scheduler import ScheduledChunk
+from pagedllm.kvstore.spec import LayerKV
 
 HEAD_DIM = 32
 
@@ -49,7 +50,7 @@ def build_case(ctx_and_new, block_size, num_heads, num_kv_heads, dtype, seed=0):
         cached = ctx - q.shape[0]
         slots = torch.tensor([blocks[p // block_size] * block_size + p % block_size for p in range(cached)])
         if cached:
-            write_kv(k_cache, v_cache, k[:cached], v[:cached], slots)
+            write_kv(LayerKV(k_cache, v_cache), k[:cached], v[:cached], slots)
     order = sorted(range(len(chunks)), key=lambda j: chunks[j].num_tokens != 1)
     chunks = [chunks[j] for j in order]
     seqs = [seqs[j] for j in order]
@@ -65,8 +66,9 @@ def run_and_compare(ctx_and_new, block_size=16, num_heads=6, num_kv_heads=2, dty
     k_cache, v_cache, query, new_k, new_v, meta, seqs = build_case(
         ctx_and_new, block_size, num_heads, num_kv_heads, dtype)
     backend = backend or ReferenceBackend(scale=HEAD_DIM ** -0.5)
-    backend.write_kv(k_cache, v_cache, new_k, new_v, meta)
-    out = backend.forward(query, k_cache, v_cache, meta)
+    kv = LayerKV(k_cache, v_cache)
+    backend.write_kv(kv, new_k, new_v, meta)
+    out = backend.forward(query, kv, meta)
     assert out.dtype == dtype and out.shape == query.shape
     tol = {torch.float32: dict(atol=1e-5, rtol=1e-4), torch.float16: dict(atol=2e-3, rtol=2e-3)}.get(
         dtype, dict(atol=2e-2, rtol=2e-2))
@@ -82,12 +84,12 @@ def assert_matches_reference(backend, case, heads, kv_heads, dtype, seed):
     k1, v1, query, new_k, new_v, meta, _ = build_case(case, 16, heads, kv_heads, dtype, seed=seed)
     k2, v2 = k1.clone(), v1.clone()
     ref = ReferenceBackend(HEAD_DIM ** -0.5)
-    ref.write_kv(k1, v1, new_k, new_v, meta)
-    backend.write_kv(k2, v2, new_k, new_v, meta)
+    ref.write_kv(LayerKV(k1, v1), new_k, new_v, meta)
+    backend.write_kv(LayerKV(k2, v2), new_k, new_v, meta)
     assert torch.equal(k1, k2) and torch.equal(v1, v2)
     tol = dict(atol=1e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
-    torch.testing.assert_close(backend.forward(query, k2, v2, meta).float(),
-                               ref.forward(query, k1, v1, meta).float(), **tol)
+    torch.testing.assert_close(backend.forward(query, LayerKV(k2, v2), meta).float(),
+                               ref.forward(query, LayerKV(k1, v1), meta).float(), **tol)
 
 
 B = 16
@@ -125,7 +127,7 @@ def test_padding_slots_are_never_written():
     k_cache = torch.zeros(2, 4, 1, 2)
     v_cache = torch.zeros_like(k_cache)
     key = torch.ones(3, 1, 2)
-    write_kv(k_cache, v_cache, key, key * 2, torch.tensor([5, -1, 0]), has_padding_slots=True)
+    write_kv(LayerKV(k_cache, v_cache), key, key * 2, torch.tensor([5, -1, 0]), has_padding_slots=True)
     flat = k_cache.view(8, 1, 2)
     assert flat[5].eq(1).all() and flat[0].eq(1).all()
     assert flat[[1, 2, 3, 4, 6, 7]].eq(0).all()

@@ -13,6 +13,7 @@ import torch
 from pagedllm.attention.base import AttentionBackend
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.triton_kernel import TritonBackend
+from pagedllm.kvstore.spec import LayerKV
 from tests.unit.test_reference_attention import HEAD_DIM, assert_matches_reference, run_and_compare
 
 B = 16
@@ -27,14 +28,14 @@ class OnCuda(AttentionBackend):
         self.inner = inner
         self.name = inner.name
 
-    def write_kv(self, k_cache, v_cache, key, value, meta: AttentionMetadata) -> None:
-        k_gpu, v_gpu = k_cache.cuda(), v_cache.cuda()
-        self.inner.write_kv(k_gpu, v_gpu, key.cuda(), value.cuda(), metadata_on_cuda(meta))
-        k_cache.copy_(k_gpu)
-        v_cache.copy_(v_gpu)
+    def write_kv(self, kv: LayerKV, key, value, meta: AttentionMetadata) -> None:
+        on_gpu = LayerKV(kv.k.cuda(), kv.v.cuda())
+        self.inner.write_kv(on_gpu, key.cuda(), value.cuda(), metadata_on_cuda(meta))
+        kv.k.copy_(on_gpu.k)
+        kv.v.copy_(on_gpu.v)
 
-    def forward(self, query, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
-        return self.inner.forward(query.cuda(), k_cache.cuda(), v_cache.cuda(), metadata_on_cuda(meta)).cpu()
+    def forward(self, query, kv: LayerKV, meta: AttentionMetadata) -> torch.Tensor:
+        return self.inner.forward(query.cuda(), LayerKV(kv.k.cuda(), kv.v.cuda()), metadata_on_cuda(meta)).cpu()
 
 
 def metadata_on_cuda(meta: AttentionMetadata) -> AttentionMetadata:
@@ -84,6 +85,6 @@ def test_store_skips_padding_slots(backend):
     key = torch.ones(3, 1, 2)
     meta = AttentionMetadata(torch.tensor([5, -1, 0]), torch.arange(4), torch.ones(3, dtype=torch.long),
                              torch.zeros(3, 1, dtype=torch.long), 3, [0, 1, 2, 3], [1, 1, 1], True)
-    backend.write_kv(k_cache, v_cache, key, key * 2, meta)
+    backend.write_kv(LayerKV(k_cache, v_cache), key, key * 2, meta)
     flat = k_cache.view(8, 1, 2)
     assert flat[5].eq(1).all() and flat[0].eq(1).all() and flat[[1, 2, 3, 4, 6, 7]].eq(0).all()

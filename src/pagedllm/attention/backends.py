@@ -1,5 +1,5 @@
 """Pick an attention backend by name and device. Every backend has the same two methods:
-``write_kv(k_cache, v_cache, key, value, meta)`` and ``forward(query, k_cache, v_cache, meta)``.
+``write_kv(kv, key, value, meta)`` and ``forward(query, kv, meta)``, ``kv`` one layer's ``LayerKV``.
 
 ``auto``: Triton on CUDA; the C++ kernel on CPU when it builds, else the pure-torch reference.
 """

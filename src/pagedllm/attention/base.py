@@ -1,10 +1,18 @@
-"""The interface every attention backend implements (reference, cpu, triton)."""
+"""The interface every attention backend implements (reference, cpu, triton).
+
+A backend reads and writes one layer's KV as a ``LayerKV`` (``kvstore/spec.py``): K, V and,
+where the KV format has them, their scales. ``kv_formats`` says which formats a backend reads;
+the engine asks ``check_kv_spec`` before it allocates the pool, so a format a backend cannot
+read is refused when the engine is built, never met in a step.
+"""
 
 from __future__ import annotations
 
 import torch
 
 from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.errors import ConfigError
+from pagedllm.kvstore.spec import KVSpec, LayerKV
 
 
 class AttentionBackend:
@@ -13,16 +21,24 @@ class AttentionBackend:
 
     name = "base"
     fuses_rope = False  # True: ``rope_store_attend`` takes the raw qkv rows and applies RoPE itself
+    scale_layouts = ("none",)  # the KVSpec scale layouts this backend reads
 
-    def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                 meta: AttentionMetadata) -> None:
+    def check_kv_spec(self, spec: KVSpec, model_dtype: torch.dtype) -> None:
+        """Raise ``ConfigError`` naming what this backend cannot read in ``spec``."""
+        if spec.scale_layout not in self.scale_layouts:
+            raise ConfigError(f"the {self.name} attention backend reads no KV with scale layout "
+                              f"{spec.scale_layout!r} (it reads {', '.join(self.scale_layouts)})")
+        if spec.dtype != model_dtype:
+            raise ConfigError(f"the {self.name} attention backend reads KV in the model's dtype ({model_dtype}), "
+                              f"not {spec.dtype}")
+
+    def write_kv(self, kv: LayerKV, key: torch.Tensor, value: torch.Tensor, meta: AttentionMetadata) -> None:
         raise NotImplementedError
 
-    def forward(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, query: torch.Tensor, kv: LayerKV, meta: AttentionMetadata) -> torch.Tensor:
         raise NotImplementedError
 
-    def store_and_attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                         v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        self.write_kv(k_cache, v_cache, key, value, meta)
-        return self.forward(query, k_cache, v_cache, meta)
+    def store_and_attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv: LayerKV,
+                         meta: AttentionMetadata) -> torch.Tensor:
+        self.write_kv(kv, key, value, meta)
+        return self.forward(query, kv, meta)

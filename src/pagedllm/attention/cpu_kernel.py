@@ -16,6 +16,7 @@ from pagedllm.attention.base import AttentionBackend
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.cpu_extension import CppExtension
 from pagedllm.cpu_features import CpuFeatures, current
+from pagedllm.kvstore.spec import LayerKV
 
 EXTENSION = CppExtension("pagedllm_cpu", Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp",
                          "the C++ paged-attention kernel", "using the reference backend")
@@ -53,23 +54,21 @@ class CpuBackend(AttentionBackend):
         self.dense_prefill_rows = dense_prefill_rows(current())
         self.ops.set_dense_prefill_min_rows(self.dense_prefill_rows)  # per process, the same for all
 
-    def write_kv(self, k_cache, v_cache, key, value, meta: AttentionMetadata) -> None:
-        self.ops.store_kv(key, value, k_cache, v_cache, meta.slot_mapping)
+    def write_kv(self, kv: LayerKV, key, value, meta: AttentionMetadata) -> None:
+        self.ops.store_kv(key, value, kv.tensors, meta.slot_mapping)
 
-    def forward(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        return self.ops.paged_attention(query, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
+    def forward(self, query: torch.Tensor, kv: LayerKV, meta: AttentionMetadata) -> torch.Tensor:
+        return self.ops.paged_attention(query, kv.tensors, meta.query_start_loc, meta.seq_lens,
                                         meta.block_tables, self.scale)
 
     def rope_store_attend(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
-                          k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                          num_heads: int) -> torch.Tensor:
+                          kv: LayerKV, meta: AttentionMetadata, num_heads: int) -> torch.Tensor:
         """One call into C++ per layer: RoPE on q/k, K/V stored into their slots, attention."""
-        return self.ops.rope_store_attend(qkv, cos, sin, positions, k_cache, v_cache, meta.slot_mapping,
+        return self.ops.rope_store_attend(qkv, cos, sin, positions, kv.tensors, meta.slot_mapping,
                                           meta.query_start_loc, meta.seq_lens, meta.block_tables, self.scale,
                                           num_heads)
 
-    def store_and_attend(self, query, key, value, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+    def store_and_attend(self, query, key, value, kv: LayerKV, meta: AttentionMetadata) -> torch.Tensor:
         """One call into C++: store the new K/V rows into their slots, then attend."""
-        return self.ops.store_and_attend(query, key, value, k_cache, v_cache, meta.slot_mapping,
+        return self.ops.store_and_attend(query, key, value, kv.tensors, meta.slot_mapping,
                                          meta.query_start_loc, meta.seq_lens, meta.block_tables, self.scale)

@@ -9,17 +9,19 @@ from __future__ import annotations
 import torch
 
 from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.kvstore.spec import LayerKV
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
 
 
 def random_paged_case(batch: int, ctx: int, block: int, dtype: torch.dtype, gen: torch.Generator, device: str,
-          prefill: bool = False, order: str = "shuffled"):
-    """Random K/V for ``batch`` sequences of ``ctx`` tokens in blocks, their queries (the last
-    position of each, or with ``prefill`` every position), and the same K/V (and queries) laid out
-    contiguously per sequence for SDPA: [batch, heads, tokens, dim]. ``order``: ``shuffled`` blocks
-    (a pool after churn), or ``adjacent`` (each sequence's blocks one physical run, in order: what
-    merging adjacent blocks gives the kernel)."""
+                      prefill: bool = False, order: str = "shuffled"):
+    """``(q, kv, meta, q_dense, k_dense, v_dense)``: random K/V (a ``LayerKV``) for ``batch``
+    sequences of ``ctx`` tokens in blocks, their queries (the last position of each, or with
+    ``prefill`` every position), and the same K/V (and queries) laid out contiguously per sequence
+    for SDPA: [batch, heads, tokens, dim]. ``order``: ``shuffled`` blocks (a pool after churn), or
+    ``adjacent`` (each sequence's blocks one physical run, in order: what merging adjacent blocks
+    gives the kernel)."""
     nblocks = -(-ctx // block)
     total = batch * nblocks
     k_cache = torch.randn(total, block, KV_HEADS, HEAD_DIM, generator=gen).to(device, dtype)
@@ -39,4 +41,4 @@ def random_paged_case(batch: int, ctx: int, block: int, dtype: torch.dtype, gen:
     k_dense = k_cache[tables].reshape(batch, nblocks * block, KV_HEADS, HEAD_DIM)[:, :ctx].transpose(1, 2).contiguous()
     v_dense = v_cache[tables].reshape(batch, nblocks * block, KV_HEADS, HEAD_DIM)[:, :ctx].transpose(1, 2).contiguous()
     q_dense = q.view(batch, per_seq, HEADS, HEAD_DIM).transpose(1, 2).contiguous()
-    return q, k_cache, v_cache, meta, q_dense, k_dense, v_dense
+    return q, LayerKV(k_cache, v_cache), meta, q_dense, k_dense, v_dense

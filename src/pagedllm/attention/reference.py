@@ -15,17 +15,18 @@ import torch
 
 from pagedllm.attention.base import AttentionBackend
 from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.kvstore.spec import LayerKV
 
 
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-             slot_mapping: torch.Tensor, has_padding_slots: bool = False) -> None:
+def write_kv(kv: LayerKV, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
+             has_padding_slots: bool = False) -> None:
     """Store new K/V rows ``[T, kv_heads, head_dim]`` into their slots (padding skipped)."""
     if has_padding_slots:
         keep = slot_mapping >= 0
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
-    nb, bs, h, d = k_cache.shape
-    k_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
-    v_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+    nb, bs, h, d = kv.k.shape
+    kv.k.view(nb * bs, h, d).index_copy_(0, slot_mapping, key.to(kv.dtype))
+    kv.v.view(nb * bs, h, d).index_copy_(0, slot_mapping, value.to(kv.dtype))
 
 
 def blockwise_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor,
@@ -69,12 +70,12 @@ class ReferenceBackend(AttentionBackend):
     def __init__(self, scale: float) -> None:
         self.scale = scale
 
-    def write_kv(self, k_cache, v_cache, key, value, meta: AttentionMetadata) -> None:
-        write_kv(k_cache, v_cache, key, value, meta.slot_mapping, meta.has_padding_slots)
+    def write_kv(self, kv: LayerKV, key, value, meta: AttentionMetadata) -> None:
+        write_kv(kv, key, value, meta.slot_mapping, meta.has_padding_slots)
 
-    def forward(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, query: torch.Tensor, kv: LayerKV, meta: AttentionMetadata) -> torch.Tensor:
         """query [T, H, D] -> output [T, H, D] for the flat batch described by ``meta``."""
+        k_cache, v_cache = kv.k, kv.v
         out = torch.empty_like(query)
         bs = k_cache.shape[1]
         nd = meta.num_decodes

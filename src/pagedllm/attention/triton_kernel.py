@@ -20,6 +20,7 @@ import triton.language as tl
 
 from pagedllm.attention.base import AttentionBackend
 from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.kvstore.spec import LayerKV
 
 
 @triton.jit
@@ -82,15 +83,16 @@ class TritonBackend(AttentionBackend):
     def __init__(self, scale: float) -> None:
         self.scale = scale
 
-    def write_kv(self, k_cache, v_cache, key, value, meta: AttentionMetadata) -> None:
+    def write_kv(self, kv: LayerKV, key, value, meta: AttentionMetadata) -> None:
+        k_cache, v_cache = kv.k, kv.v
         row = k_cache.shape[2] * k_cache.shape[3]
         key = key.to(k_cache.dtype).contiguous()
         value = value.to(v_cache.dtype).contiguous()
         store_kv_kernel[(key.shape[0],)](key, value, k_cache, v_cache, meta.slot_mapping, ROW=row,
                                          ROW_P2=triton.next_power_of_2(row))
 
-    def forward(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, query: torch.Tensor, kv: LayerKV, meta: AttentionMetadata) -> torch.Tensor:
+        k_cache, v_cache = kv.k, kv.v
         num_tokens, heads, dim = query.shape
         token_seq, token_pos = _token_layout(meta, query.device)
         out = torch.empty_like(query)

@@ -51,7 +51,7 @@ def run_prefill(batches, contexts, blocks, dtypes, backends, repeats: int, seed:
     rows = []
     for batch, ctx, block, dtype_name in itertools.product(batches, contexts, blocks, dtypes):
         dtype = getattr(torch, dtype_name)
-        q, kc, vc, meta, qd, kd, vd = case(batch, ctx, block, dtype, gen, device, prefill=True, order=order)
+        q, kv, meta, qd, kd, vd = case(batch, ctx, block, dtype, gen, device, prefill=True, order=order)
         flops = batch * 4 * HEADS * HEAD_DIM * ctx * (ctx + 1) / 2
 
         def sdpa(qd=qd, kd=kd, vd=vd):
@@ -64,9 +64,9 @@ def run_prefill(batches, contexts, blocks, dtypes, backends, repeats: int, seed:
                "sdpa_contiguous_ms": round(t_sdpa * 1000, 3), "sdpa_gflops": round(flops / t_sdpa / 1e9, 1)}
         for name in backends:
             backend = get_backend(name, device, HEAD_DIM)
-            out = backend.forward(q, kc, vc, meta)
+            out = backend.forward(q, kv, meta)
             torch.testing.assert_close(out.float(), expected.float(), atol=3e-2, rtol=3e-2)
-            t = _time(lambda b=backend, q=q, kc=kc, vc=vc, meta=meta: b.forward(q, kc, vc, meta), repeats)
+            t = _time(lambda b=backend, q=q, kv=kv, meta=meta: b.forward(q, kv, meta), repeats)
             row[f"{name}_ms"] = round(t * 1000, 3)
             row[f"{name}_gflops"] = round(flops / t / 1e9, 1)
             row[f"{name}_over_sdpa"] = round(t / t_sdpa, 2)
@@ -81,7 +81,7 @@ def run(batches, contexts, blocks, dtypes, backends, repeats: int, seed: int = 0
     rows = []
     for batch, ctx, block, dtype_name in itertools.product(batches, contexts, blocks, dtypes):
         dtype = getattr(torch, dtype_name)
-        q, kc, vc, meta, qd, kd, vd = case(batch, ctx, block, dtype, gen, device, order=order)  # qd: [b, h, 1, d]
+        q, kv, meta, qd, kd, vd = case(batch, ctx, block, dtype, gen, device, order=order)  # qd: [b, h, 1, d]
         sdpa = _time(lambda qd=qd, kd=kd, vd=vd: F.scaled_dot_product_attention(qd, kd, vd, enable_gqa=True),
                      repeats)
         row = {"batch": batch, "context": ctx, "block_size": block, "dtype": dtype_name, "block_order": order,
@@ -89,11 +89,11 @@ def run(batches, contexts, blocks, dtypes, backends, repeats: int, seed: int = 0
         ref_out = None
         for name in backends:
             backend = get_backend(name, device, HEAD_DIM)
-            out = backend.forward(q, kc, vc, meta)
+            out = backend.forward(q, kv, meta)
             if ref_out is None:
                 ref_out = F.scaled_dot_product_attention(qd, kd, vd, enable_gqa=True).squeeze(2)
             torch.testing.assert_close(out.float(), ref_out.float(), atol=3e-2, rtol=3e-2)
-            t = _time(lambda b=backend, q=q, kc=kc, vc=vc, meta=meta: b.forward(q, kc, vc, meta), repeats)
+            t = _time(lambda b=backend, q=q, kv=kv, meta=meta: b.forward(q, kv, meta), repeats)
             row[f"{name}_ms"] = round(t * 1000, 3)
             row[f"{name}_over_sdpa"] = round(t / sdpa, 2)
         rows.append(row)
@@ -115,9 +115,9 @@ def run_block_orders(batches, contexts, blocks, dtypes, repeats: int, seed: int 
         cases = {order: case(batch, ctx, block, dtype, gen, device, order=order) for order in ("shuffled", "adjacent")}
         times: dict[str, list[float]] = {order: [] for order in cases}
         for _ in range(repeats + 1):
-            for order, (q, kc, vc, meta, *_) in cases.items():
+            for order, (q, kv, meta, *_) in cases.items():
                 t0 = time.perf_counter()
-                backend.forward(q, kc, vc, meta)
+                backend.forward(q, kv, meta)
                 sync()
                 times[order].append(time.perf_counter() - t0)
         med = {order: statistics.median(t[1:]) for order, t in times.items()}  # the first call warms up

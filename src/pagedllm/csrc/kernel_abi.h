@@ -1,6 +1,7 @@
 // What one extension hands another as a raw function pointer: the attention extension's fused
 // RoPE + K/V store + paged attention (attention/csrc/paged_attention_cpu.cpp), called by the
-// decoder stack (models/csrc/decoder_stack_cpu.cpp) once per layer without going through Python.
+// decoder stack (models/csrc/decoder_stack_cpu.cpp) once per layer without going through Python,
+// and the one layer's KV it takes (LayerKV, the C++ side of kvstore/spec.py's LayerKV).
 // Both extensions link the same libtorch, so torch::Tensor crosses between them as it does
 // between torch's own libraries. The capsule's name carries the signature's version: change the
 // signature, change the name, and a stale build is refused instead of called wrongly (both builds
@@ -9,14 +10,29 @@
 
 #include <torch/extension.h>
 
+#include <vector>
+
 namespace pagedllm_cpu {
 
-using RopeStoreAttendFn = torch::Tensor (*)(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
-                                            torch::Tensor positions, torch::Tensor k_cache, torch::Tensor v_cache,
-                                            torch::Tensor slot_mapping, torch::Tensor query_start_loc,
-                                            torch::Tensor seq_lens, torch::Tensor block_tables, double scale,
-                                            int64_t num_heads);
+// One layer's K/V: k and v [num_blocks, block_size, kv_heads, head_dim] and, where the format has
+// them, float32 scales [num_blocks, kv_heads] (undefined tensors where it has none). Python hands
+// it over as LayerKV.tensors: (k, v) or (k, v, k_scale, v_scale).
+struct LayerKV {
+  torch::Tensor k, v, k_scale, v_scale;
 
-inline constexpr const char* kRopeStoreAttendCapsule = "pagedllm.rope_store_attend.v1";
+  static LayerKV from_tensors(const std::vector<torch::Tensor>& t) {
+    TORCH_CHECK(t.size() == 2 || t.size() == 4, "a layer's KV is (k, v) or (k, v, k_scale, v_scale), got ",
+                t.size(), " tensors");
+    return t.size() == 2 ? LayerKV{t[0], t[1], {}, {}} : LayerKV{t[0], t[1], t[2], t[3]};
+  }
+  bool has_scales() const { return k_scale.defined(); }
+};
+
+using RopeStoreAttendFn = torch::Tensor (*)(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
+                                            torch::Tensor positions, const LayerKV& kv, torch::Tensor slot_mapping,
+                                            torch::Tensor query_start_loc, torch::Tensor seq_lens,
+                                            torch::Tensor block_tables, double scale, int64_t num_heads);
+
+inline constexpr const char* kRopeStoreAttendCapsule = "pagedllm.rope_store_attend.v2";
 
 }  // namespace pagedllm_cpu

@@ -36,7 +36,8 @@ from pagedllm.engine.structured_output import StructuredOutputManager
 from pagedllm.errors import ConfigError, InvalidRequest, RequestTooLong, require_utf8
 from pagedllm.kvcache.factory import make_kv_manager
 from pagedllm.kvstore.host_tier import HostTier
-from pagedllm.kvstore.storage import KVCacheStorage, bytes_per_block, num_blocks_for
+from pagedllm.kvstore.spec import KVSpec
+from pagedllm.kvstore.storage import KVCacheStorage, num_blocks_for
 from pagedllm.models import decoder_stack
 from pagedllm.models.kernel_plan import KernelPlan, plan_kernels
 from pagedllm.models.layer_ops import CpuLayerOps, get_layer_ops
@@ -71,14 +72,16 @@ class Engine:
         self.config = config
         self.tokenizer = tokenizer
         dtype = _DTYPES[config.dtype]
-        num_blocks = num_blocks_for(config.model, config.cache, dtype, config.device)
         cc = config.cache
+        spec = KVSpec.for_model(config.model, cc.block_size, dtype)
+        backend = get_backend(attention_backend, config.device, config.model.head_dim)
+        backend.check_kv_spec(spec, dtype)
+        num_blocks = num_blocks_for(spec, cc, config.device)
         swapping = config.scheduler.preemption_mode == "swap" and cc.kv_layout == "paged"
-        num_host_blocks = cc.swap_space // bytes_per_block(config.model, cc.block_size, dtype) if swapping else 0
+        num_host_blocks = cc.swap_space // spec.bytes_per_block if swapping else 0
         self.kv_manager = make_kv_manager(cc, num_blocks, config.scheduler.max_model_len, num_host_blocks)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager)
-        storage = KVCacheStorage.allocate(config.model, num_blocks, config.cache.block_size, dtype, config.device)
-        backend = get_backend(attention_backend, config.device, config.model.head_dim)
+        storage = KVCacheStorage.allocate(spec, num_blocks, config.device)
         host = HostTier(storage, num_host_blocks) if num_host_blocks else None
         self.runner = ModelRunner(model, storage, backend, torch.device(config.device), host)
         eos = set(config.model.eos_token_ids)

@@ -1,10 +1,12 @@
 """HostTier: host-memory (CPU; pinned when the cache is on CUDA) copies of swapped-out KV blocks.
 
-``swap_out`` copies device blocks to host blocks synchronously (their device blocks are reused in
-the same step). ``start_swap_in`` copies host blocks back on a background thread (a side CUDA
-stream on GPU) so the copy overlaps the step being computed; ``wait`` joins it before the next
-step. The overlap is measured: ``copy_seconds`` is time spent copying in the background,
-``wait_seconds`` the part of it the engine had to wait for.
+Holds one ``LayerKV`` per layer in the device storage's ``KVSpec``, so every tensor of a block
+(K, V and, where the format has them, their scales) is swapped with it. ``swap_out`` copies
+device blocks to host blocks synchronously (their device blocks are reused in the same step).
+``start_swap_in`` copies host blocks back on a background thread (a side CUDA stream on GPU) so
+the copy overlaps the step being computed; ``wait`` joins it before the next step. The overlap is
+measured: ``copy_seconds`` is time spent copying in the background, ``wait_seconds`` the part of
+it the engine had to wait for.
 """
 
 from __future__ import annotations
@@ -14,16 +16,15 @@ import time
 
 import torch
 
+from pagedllm.kvstore.spec import LayerKV
 from pagedllm.kvstore.storage import KVCacheStorage
 
 
 class HostTier:
     def __init__(self, storage: KVCacheStorage, num_blocks: int) -> None:
-        ref = storage.k_caches[0]
-        shape = (num_blocks, *ref.shape[1:])
-        pin = ref.is_cuda
-        self.k = [torch.zeros(shape, dtype=ref.dtype, pin_memory=pin) for _ in storage.k_caches]
-        self.v = [torch.zeros(shape, dtype=ref.dtype, pin_memory=pin) for _ in storage.v_caches]
+        ref = storage.layers[0].k
+        self.layers = [LayerKV.allocate(storage.spec, num_blocks, "cpu", pin_memory=ref.is_cuda)
+                       for _ in storage.layers]
         self.storage = storage
         self._thread: threading.Thread | None = None
         self._stream = torch.cuda.Stream(device=ref.device) if ref.is_cuda else None
@@ -34,23 +35,26 @@ class HostTier:
 
     @property
     def num_blocks(self) -> int:
-        return self.k[0].shape[0]
+        return self.layers[0].num_blocks
+
+    def _pairs(self):
+        """(device tensor, host tensor) of every tensor of every layer."""
+        for device_layer, host_layer in zip(self.storage.layers, self.layers, strict=True):
+            yield from zip(device_layer.tensors, host_layer.tensors, strict=True)
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
-        dev = torch.tensor([p[0] for p in pairs], device=self.storage.k_caches[0].device)
+        dev = torch.tensor([p[0] for p in pairs], device=self.storage.layers[0].k.device)
         host = torch.tensor([p[1] for p in pairs])
-        for src, dst in ((self.storage.k_caches, self.k), (self.storage.v_caches, self.v)):
-            for s, d in zip(src, dst, strict=True):
-                d.index_copy_(0, host, s.index_select(0, dev).to("cpu"))
+        for device_tensor, host_tensor in self._pairs():
+            host_tensor.index_copy_(0, host, device_tensor.index_select(0, dev).to("cpu"))
 
     def _copy_in(self, pairs: list[tuple[int, int]]) -> None:
         t0 = time.perf_counter()
-        device = self.storage.k_caches[0].device
+        device = self.storage.layers[0].k.device
         host = torch.tensor([p[0] for p in pairs])
         dev = torch.tensor([p[1] for p in pairs], device=device)
-        for src, dst in ((self.k, self.storage.k_caches), (self.v, self.storage.v_caches)):
-            for s, d in zip(src, dst, strict=True):
-                d.index_copy_(0, dev, s.index_select(0, host).to(device, non_blocking=True))
+        for device_tensor, host_tensor in self._pairs():
+            device_tensor.index_copy_(0, dev, host_tensor.index_select(0, host).to(device, non_blocking=True))
         self.copy_seconds += time.perf_counter() - t0
 
     def start_swap_in(self, pairs: list[tuple[int, int]]) -> None:

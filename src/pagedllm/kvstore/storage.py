@@ -1,36 +1,33 @@
-"""KVCacheStorage: the K and V tensors of every layer, allocated once.
+"""KVCacheStorage: every layer's K/V (``LayerKV``) in one ``KVSpec``, allocated once.
 
-Per layer, K and V are ``[num_blocks, block_size, num_kv_heads, head_dim]``; a token's slot
-``block_id * block_size + offset`` indexes the flattened first two dimensions. Sizing converts a
-memory budget into a block count (``bytes_per_block`` counts K and V of every layer).
+Sizing converts a memory budget into a block count with the spec's ``bytes_per_block`` (K and V
+of every layer, scales included), so a format with more bytes per block holds fewer blocks in the
+same ``kv_cache_memory``. Block copies (copy-on-write after a fork) move every tensor of every
+layer's ``LayerKV`` with the same block ids.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from pagedllm.config import CacheConfig, ModelConfig
+from pagedllm.config import CacheConfig
 from pagedllm.errors import OutOfKVMemory
+from pagedllm.kvstore.spec import KVSpec, LayerKV
 
 
-def bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * model.num_layers * block_size * model.num_kv_heads * model.head_dim * elem
-
-
-def num_blocks_for(model: ModelConfig, cache: CacheConfig, dtype: torch.dtype, device: str = "cpu") -> int:
+def num_blocks_for(spec: KVSpec, cache: CacheConfig, device: str = "cpu") -> int:
     """Blocks in the pool: ``num_kv_blocks`` if given, else what ``kv_cache_memory`` holds."""
     if cache.num_kv_blocks is not None:
         return cache.num_kv_blocks
-    per_block = bytes_per_block(model, cache.block_size, dtype)
+    per_block = spec.bytes_per_block
     memory, what = kv_pool_bytes(cache.kv_cache_memory, device)
     n = memory // per_block
     if n < 1:
         raise OutOfKVMemory(f"kv_cache_memory={what} holds no KV block: one block of "
-                            f"{cache.block_size} tokens needs {per_block} bytes for this model and dtype")
+                            f"{spec.block_size} tokens needs {per_block} bytes for this model and KV format")
     return n
 
 
@@ -58,31 +55,38 @@ def kv_pool_bytes(kv_cache_memory, device: str | torch.device) -> tuple[int, str
 
 @dataclass
 class KVCacheStorage:
-    """Pre-allocated per-layer K/V tensors."""
+    """Pre-allocated K/V of every layer, one ``LayerKV`` each, in the format ``spec``."""
 
-    k_caches: list[torch.Tensor]
-    v_caches: list[torch.Tensor]
-    block_size: int
+    spec: KVSpec
+    layers: list[LayerKV]
+    layer_tensors: list[tuple[torch.Tensor, ...]] = field(init=False, repr=False)  # for the C++ decoder stack
+
+    def __post_init__(self) -> None:
+        if len(self.layers) != self.spec.num_layers:
+            raise ValueError(f"KVCacheStorage: {len(self.layers)} layers for a spec of {self.spec.num_layers}")
+        self.layer_tensors = [layer.tensors for layer in self.layers]
 
     @classmethod
-    def allocate(cls, model: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: str | torch.device = "cpu") -> KVCacheStorage:
-        shape = (num_blocks, block_size, model.num_kv_heads, model.head_dim)
-        ks = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(model.num_layers)]
-        vs = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(model.num_layers)]
-        return cls(ks, vs, block_size)
+    def allocate(cls, spec: KVSpec, num_blocks: int, device: str | torch.device = "cpu") -> KVCacheStorage:
+        return cls(spec, [LayerKV.allocate(spec, num_blocks, device) for _ in range(spec.num_layers)])
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        """Copy whole blocks (src -> dst) in every layer: copy-on-write after a fork."""
-        src = torch.tensor([c[0] for c in copies], device=self.k_caches[0].device)
-        dst = torch.tensor([c[1] for c in copies], device=self.k_caches[0].device)
-        for cache in (*self.k_caches, *self.v_caches):
-            cache.index_copy_(0, dst, cache.index_select(0, src))
+        """Copy whole blocks (src -> dst) in every tensor of every layer: copy-on-write after a fork."""
+        device = self.layers[0].k.device
+        src = torch.tensor([c[0] for c in copies], device=device)
+        dst = torch.tensor([c[1] for c in copies], device=device)
+        for layer in self.layers:
+            for tensor in layer.tensors:
+                tensor.index_copy_(0, dst, tensor.index_select(0, src))
+
+    @property
+    def block_size(self) -> int:
+        return self.spec.block_size
 
     @property
     def num_blocks(self) -> int:
-        return self.k_caches[0].shape[0]
+        return self.layers[0].num_blocks
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k_caches + self.v_caches)
+        return sum(layer.nbytes for layer in self.layers)

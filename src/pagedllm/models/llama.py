@@ -19,6 +19,7 @@ from torch import nn
 
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.config import ModelConfig
+from pagedllm.kvstore.spec import LayerKV
 from pagedllm.kvstore.storage import KVCacheStorage
 from pagedllm.models.decoder_stack import build_decoder_stack
 from pagedllm.models.gguf_quant import BlockQuantized
@@ -45,7 +46,7 @@ class Attention(nn.Module):
 
     _projections = None  # (qkv_proj, o_proj) as a plain tuple, bound on the first forward (see DecoderLayer)
 
-    def forward(self, x, positions, rotary: RotaryEmbedding, k_cache, v_cache, meta, backend):
+    def forward(self, x, positions, rotary: RotaryEmbedding, kv: LayerKV, meta, backend):
         t = x.shape[0]
         projections = self._projections
         if projections is None:
@@ -53,15 +54,14 @@ class Attention(nn.Module):
         qkv_proj, o_proj = projections
         qkv = qkv_proj.forward(x)
         if backend.fuses_rope:
-            out = backend.rope_store_attend(qkv, rotary.cos, rotary.sin, positions, k_cache, v_cache, meta,
-                                            self.num_heads)
+            out = backend.rope_store_attend(qkv, rotary.cos, rotary.sin, positions, kv, meta, self.num_heads)
             return o_proj.forward(out.reshape(t, self.q_size))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         q, k = rotary(positions, q, k)
-        out = backend.store_and_attend(q, k, v, k_cache, v_cache, meta)
+        out = backend.store_and_attend(q, k, v, kv, meta)
         return o_proj.forward(out.reshape(t, self.q_size))
 
 
@@ -75,7 +75,7 @@ class DecoderLayer(nn.Module):
 
     _parts = None  # (ln1 weight, eps, attention, ln2 weight, eps, mlp), bound on the first forward
 
-    def forward(self, x, residual, positions, rotary, k_cache, v_cache, meta, backend, ops):
+    def forward(self, x, residual, positions, rotary, kv: LayerKV, meta, backend, ops):
         """(layer input, residual before it) -> (MLP output, residual before it); norms fused with the adds.
 
         Submodules are called through ``.forward``: ``nn.Module.__call__`` costs microseconds per
@@ -88,7 +88,7 @@ class DecoderLayer(nn.Module):
             parts = self._parts = (ln1.weight, ln1.eps, self.self_attn, ln2.weight, ln2.eps, self.mlp)
         w1, eps1, attention, w2, eps2, mlp = parts
         h, residual = ops.add_rms_norm(x, residual, w1, eps1)
-        h = attention.forward(h, positions, rotary, k_cache, v_cache, meta, backend)
+        h = attention.forward(h, positions, rotary, kv, meta, backend)
         h, residual = ops.add_rms_norm(h, residual, w2, eps2)
         return mlp.forward(h, ops), residual
 
@@ -123,12 +123,12 @@ class LlamaForCausalLM(nn.Module):
         stack = self.decoder_stack(backend)
         if stack is not None:
             return stack.forward(self.embed_tokens(input_ids), positions, self.rotary.cos, self.rotary.sin,
-                                 kv.k_caches, kv.v_caches, meta.slot_mapping, meta.query_start_loc, meta.seq_lens,
+                                 kv.layer_tensors, meta.slot_mapping, meta.query_start_loc, meta.seq_lens,
                                  meta.block_tables)
         ops = self.layer_ops
         x, residual = self.embed_tokens(input_ids), None  # the forward owns residual: ops update it in place
-        for layer, k_cache, v_cache in zip(self.layers, kv.k_caches, kv.v_caches, strict=True):
-            x, residual = layer.forward(x, residual, positions, self.rotary, k_cache, v_cache, meta, backend, ops)
+        for layer, layer_kv in zip(self.layers, kv.layers, strict=True):
+            x, residual = layer.forward(x, residual, positions, self.rotary, layer_kv, meta, backend, ops)
         return ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)[0]
 
     def decoder_stack(self, backend):

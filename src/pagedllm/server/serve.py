@@ -46,9 +46,7 @@ class _Server(uvicorn.Server):
 def startup_line(engine: Engine, url: str, model_name: str) -> str:
     kv = engine.kv_manager
     stats = engine.kv_cache_stats()
-    from pagedllm.kvstore.storage import bytes_per_block
-
-    per_block = bytes_per_block(engine.config.model, kv.block_size, engine.runner.kv.k_caches[0].dtype)
+    per_block = engine.runner.kv.spec.bytes_per_block
     return (f"pagedllm serving {model_name} at {url}/v1 | {engine.config.dtype}, quantization "
             f"{engine.config.quantization}, attention {engine.runner.backend.name} | KV pool {stats['num_blocks']} "
             f"blocks x {kv.block_size} tokens = {stats['num_blocks'] * kv.block_size} tokens, "

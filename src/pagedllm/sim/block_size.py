@@ -108,12 +108,12 @@ def measure_kernel(block_sizes, context: int, repeats: int = 20) -> dict[int, fl
     layers = MODELS["smollm2-135m"].num_layers
     backend = get_backend("cpu", "cpu", 64)
     gen = torch.Generator().manual_seed(0)
-    cases = {b: random_paged_case(KERNEL_BATCH, context, b, torch.bfloat16, gen, "cpu")[:4] for b in block_sizes}
+    cases = {b: random_paged_case(KERNEL_BATCH, context, b, torch.bfloat16, gen, "cpu")[:3] for b in block_sizes}
     times: dict[int, list[float]] = {b: [] for b in block_sizes}
     for _ in range(repeats + 1):
-        for b, (q, kc, vc, meta) in cases.items():
+        for b, (q, kv, meta) in cases.items():
             t0 = time.perf_counter()
-            backend.forward(q, kc, vc, meta)
+            backend.forward(q, kv, meta)
             times[b].append(time.perf_counter() - t0)
     return {b: statistics.median(t[1:]) * layers / KERNEL_BATCH for b, t in times.items()}
 

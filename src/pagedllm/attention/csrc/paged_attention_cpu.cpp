@@ -984,15 +984,20 @@ void dense_prefill(const torch::Tensor& query, const torch::Tensor& k_cache, con
 
 }  // namespace
 
+// The K/V this kernel reads: the model dtype, no scales.
+const pagedllm_cpu::LayerKV& plain(const pagedllm_cpu::LayerKV& kv) {
+  TORCH_CHECK(!kv.has_scales(), "the C++ paged-attention kernel reads K/V without scales; this KV format has them");
+  return kv;
+}
+
 void set_dense_prefill_min_rows(int64_t rows) {
   TORCH_CHECK(rows >= 0, "dense_prefill_min_rows must be >= 0");
   dense_prefill_min_rows.store(rows);
 }
 
 // query [T, H, D]; caches [NB, B, KH, D]; query_start_loc [S+1], seq_lens [S], block_tables [S, MB] (int64)
-torch::Tensor paged_attention(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
-                              torch::Tensor query_start_loc, torch::Tensor seq_lens, torch::Tensor block_tables,
-                              double scale) {
+torch::Tensor attend(torch::Tensor query, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                     torch::Tensor query_start_loc, torch::Tensor seq_lens, torch::Tensor block_tables, double scale) {
   check_cache(k_cache, v_cache);
   TORCH_CHECK(query.dim() == 3 && query.dtype() == k_cache.dtype(), "query must be [T, H, D] in the cache dtype");
   query = query.contiguous();
@@ -1039,8 +1044,8 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor k_cache, torch:
 }
 
 // Store new K/V rows [T, KH, D] into their slots; slot < 0 is padding and is skipped.
-void store_kv(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, torch::Tensor v_cache,
-              torch::Tensor slot_mapping) {
+void store(torch::Tensor key, torch::Tensor value, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+           torch::Tensor slot_mapping) {
   check_cache(k_cache, v_cache);
   key = key.to(k_cache.dtype()).contiguous();
   value = value.to(v_cache.dtype()).contiguous();
@@ -1077,10 +1082,12 @@ __attribute__((optimize("fp-contract=off"))) void rope_row(const T* x, const T* 
 // The whole attention block after the QKV projection, in one call per layer: RoPE on q and k
 // (from the fused qkv rows [T, (H + 2 KH) * D]), k and v stored into their slots (padding skipped),
 // then paged attention of the rotated q. Returns [T, H, D].
-torch::Tensor rope_store_attend(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor positions,
-                                torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slot_mapping,
-                                torch::Tensor query_start_loc, torch::Tensor seq_lens, torch::Tensor block_tables,
-                                double scale, int64_t H) {
+torch::Tensor rope_store_attend_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor positions,
+                                   const pagedllm_cpu::LayerKV& kv, torch::Tensor slot_mapping,
+                                   torch::Tensor query_start_loc, torch::Tensor seq_lens, torch::Tensor block_tables,
+                                   double scale, int64_t H) {
+  const torch::Tensor& k_cache = plain(kv).k;
+  const torch::Tensor& v_cache = kv.v;
   check_cache(k_cache, v_cache);
   qkv = qkv.contiguous();
   TORCH_CHECK(qkv.dtype() == k_cache.dtype() && cos.dtype() == qkv.dtype() && sin.dtype() == qkv.dtype(),
@@ -1118,15 +1125,41 @@ torch::Tensor rope_store_attend(torch::Tensor qkv, torch::Tensor cos, torch::Ten
       }
     });
   });
-  return paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale);
+  return attend(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale);
+}
+
+// The Python entry points: a layer's KV as LayerKV.tensors, (k, v) or (k, v, k_scale, v_scale).
+// query [T, H, D]; k/v [NB, B, KH, D]; query_start_loc [S+1], seq_lens [S], block_tables [S, MB]
+torch::Tensor paged_attention(torch::Tensor query, const std::vector<torch::Tensor>& kv,
+                              torch::Tensor query_start_loc, torch::Tensor seq_lens, torch::Tensor block_tables,
+                              double scale) {
+  const auto layer = plain(pagedllm_cpu::LayerKV::from_tensors(kv));
+  return attend(query, layer.k, layer.v, query_start_loc, seq_lens, block_tables, scale);
+}
+
+// Store new K/V rows [T, KH, D] into their slots; slot < 0 is padding and is skipped.
+void store_kv(torch::Tensor key, torch::Tensor value, const std::vector<torch::Tensor>& kv,
+              torch::Tensor slot_mapping) {
+  const auto layer = plain(pagedllm_cpu::LayerKV::from_tensors(kv));
+  store(key, value, layer.k, layer.v, slot_mapping);
 }
 
 // The fused path: store the step's new K/V rows, then attend, in one call per layer.
-torch::Tensor store_and_attend(torch::Tensor query, torch::Tensor key, torch::Tensor value, torch::Tensor k_cache,
-                               torch::Tensor v_cache, torch::Tensor slot_mapping, torch::Tensor query_start_loc,
-                               torch::Tensor seq_lens, torch::Tensor block_tables, double scale) {
-  store_kv(key, value, k_cache, v_cache, slot_mapping);
-  return paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale);
+torch::Tensor store_and_attend(torch::Tensor query, torch::Tensor key, torch::Tensor value,
+                               const std::vector<torch::Tensor>& kv, torch::Tensor slot_mapping,
+                               torch::Tensor query_start_loc, torch::Tensor seq_lens, torch::Tensor block_tables,
+                               double scale) {
+  const auto layer = plain(pagedllm_cpu::LayerKV::from_tensors(kv));
+  store(key, value, layer.k, layer.v, slot_mapping);
+  return attend(query, layer.k, layer.v, query_start_loc, seq_lens, block_tables, scale);
+}
+
+torch::Tensor rope_store_attend(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor positions,
+                                const std::vector<torch::Tensor>& kv, torch::Tensor slot_mapping,
+                                torch::Tensor query_start_loc, torch::Tensor seq_lens, torch::Tensor block_tables,
+                                double scale, int64_t H) {
+  return rope_store_attend_kv(qkv, cos, sin, positions, pagedllm_cpu::LayerKV::from_tensors(kv), slot_mapping,
+                              query_start_loc, seq_lens, block_tables, scale, H);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -1137,7 +1170,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("store_and_attend", &store_and_attend, "store K/V rows, then paged attention (CPU)");
   m.def("rope_store_attend", &rope_store_attend, "RoPE on q/k, store K/V, paged attention (CPU)");
   // the same function for the decoder stack's C++ layer loop (csrc/kernel_abi.h)
-  static_assert(std::is_same_v<decltype(&rope_store_attend), pagedllm_cpu::RopeStoreAttendFn>);
-  m.attr("rope_store_attend_fn") = pybind11::capsule(reinterpret_cast<void*>(&rope_store_attend),
+  static_assert(std::is_same_v<decltype(&rope_store_attend_kv), pagedllm_cpu::RopeStoreAttendFn>);
+  m.attr("rope_store_attend_fn") = pybind11::capsule(reinterpret_cast<void*>(&rope_store_attend_kv),
                                                      pagedllm_cpu::kRopeStoreAttendCapsule);
 }

@@ -136,11 +136,11 @@ class DecoderStack {
   // would have widened), and read the GEMMs' float32 outputs rounding them first (what the GEMM's
   // conversion back would have done), so six conversions per layer go and every value is the same.
   at::Tensor forward(at::Tensor x, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
-                     const std::vector<at::Tensor>& k_caches, const std::vector<at::Tensor>& v_caches,
-                     const at::Tensor& slot_mapping, const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+                     const std::vector<std::vector<at::Tensor>>& kv, const at::Tensor& slot_mapping,
+                     const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
                      const at::Tensor& block_tables) const {
-    TORCH_CHECK(k_caches.size() == layers_.size() && v_caches.size() == layers_.size(),
-                "one K and one V cache per layer expected");
+    TORCH_CHECK(kv.size() == layers_.size(), "one LayerKV per layer expected, got ", kv.size(), " for ",
+                layers_.size(), " layers");
     const int64_t T = x.size(0);
     const at::ScalarType dtype = x.scalar_type();
     at::Tensor residual;
@@ -163,8 +163,8 @@ class DecoderStack {
       at::Tensor attention;
       {
         RECORD_FUNCTION("pagedllm::rope_store_attend", std::vector<c10::IValue>());
-        attention = attend_(qkv, cos, sin, positions, k_caches[i], v_caches[i], slot_mapping, query_start_loc,
-                            seq_lens, block_tables, scale_, num_heads_);
+        attention = attend_(qkv, cos, sin, positions, pagedllm_cpu::LayerKV::from_tensors(kv[i]), slot_mapping,
+                            query_start_loc, seq_lens, block_tables, scale_, num_heads_);
       }
       const at::Tensor rows = attention.reshape({T, q_size_});
       h = wide ? layer.o.widened(rows.to(at::kFloat)) : layer.o(rows);
@@ -208,6 +208,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("layers"), py::arg("final_norm"), py::arg("final_eps"), py::arg("num_heads"), py::arg("q_size"),
            py::arg("scale"), py::arg("attend"))
       .def("forward", &DecoderStack::forward, py::arg("x"), py::arg("positions"), py::arg("cos"), py::arg("sin"),
-           py::arg("k_caches"), py::arg("v_caches"), py::arg("slot_mapping"), py::arg("query_start_loc"),
+           py::arg("kv"), py::arg("slot_mapping"), py::arg("query_start_loc"),
            py::arg("seq_lens"), py::arg("block_tables"));
 }
