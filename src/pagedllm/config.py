@@ -3,7 +3,7 @@
 ``ModelConfig`` describes the network (filled by ``models.loader``). The options users set are
 defined once, here, with their defaults, choices and help text: ``LoadOptions`` (which model, how
 to run it), ``SchedulerConfig`` (batching limits) and ``CacheConfig`` (the KV pool). Together they
-form ``EngineOptions``, from which ``LLM(...)``, ``Engine.from_options``, the CLI flags
+form ``EngineOptions``, from which ``LLM(...)``, ``build_engine``, the CLI flags
 (``cli.add_option_args``) and the option table in docs/api.md (``options_markdown``) are all made.
 They are pydantic dataclasses: validation (and byte sizes such as ``"512MiB"``) by pydantic.
 ``EngineConfig`` ties the resolved pieces together for one engine.
@@ -25,7 +25,8 @@ MIN_BLOCK_SIZE = 8
 MAX_BLOCK_SIZE = 128
 QUANTIZATIONS = ("auto", "none", "gguf")
 DEFAULT_STEP_TOKENS = 1024  # max_num_batched_tokens where no CPU family measured better (models/kernel_plan.py)
-SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # the one dtype table: names and element sizes
+SUPPORTED_DTYPES = ("auto", *DTYPE_BYTES)
 ATTENTION_BACKENDS = ("auto", "cpu", "triton", "reference")
 EVICTION_POLICIES = ("lru", "lfu", "lru-lfu", "size-weighted")  # kvcache/eviction.py
 HASH_ALGOS = ("xxh3_128", "sha256")  # prefix-cache block hashes (kvcache/hashing.py)
@@ -238,7 +239,7 @@ class EngineConfig:
     dtype: str = "float32"
     device: str = "cpu"
     seed: int = 0
-    quantization: str = "none"   # resolved: "none" or "gguf" (see Engine.from_options for "auto")
+    quantization: str = "none"   # resolved: "none" or "gguf" (see build_engine for "auto")
 
     def __post_init__(self) -> None:
         if self.dtype not in SUPPORTED_DTYPES[1:]:

@@ -15,6 +15,7 @@ from collections.abc import Iterator, Sequence
 from tqdm.auto import tqdm
 
 from pagedllm.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
+from pagedllm.engine.builder import build_engine
 from pagedllm.engine.engine import Engine
 from pagedllm.engine.outputs import RequestOutput
 from pagedllm.engine.sampling_params import RequestOutputKind, SamplingParams
@@ -43,7 +44,7 @@ class LLM:
         """``engine_options``: the fields of ``pagedllm.config.EngineOptions`` (dtype, block_size,
         kv_cache_memory, max_num_seqs, ...; the table in docs/api.md). An unknown option or a bad
         value raises ``ConfigError`` (a ``ValueError``) naming it, before anything is loaded."""
-        self.engine = Engine.from_options(model=model, **engine_options)
+        self.engine = build_engine(model=model, **engine_options)
 
     def get_tokenizer(self):
         return self.engine.tokenizer

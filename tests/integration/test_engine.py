@@ -187,7 +187,7 @@ def test_contiguous_layout_gives_the_paged_outputs(batched_reference, reservatio
 
 
 def test_quantization_option_resolves_and_rejects_what_cannot_apply(tmp_path):
-    from pagedllm.engine.engine import resolve_quantization
+    from pagedllm.engine.builder import resolve_quantization
     from pagedllm.models.loader import default_model_path, load_weights
     from tests.conftest import make_tiny_checkpoint
 

@@ -129,13 +129,13 @@ def tiny_folder(tmp_path_factory):
 
 def tiny_context(folder: str, **options):
     from pagedllm.engine.async_engine import AsyncEngine
-    from pagedllm.engine.engine import Engine
+    from pagedllm.engine.builder import build_engine
     from pagedllm.server.metrics import ServerMetrics
     from pagedllm.server.serving import ServerContext
 
     opts = dict(model=folder, dtype="float32", num_kv_blocks=64, block_size=8, max_num_seqs=4)
     opts.update(options)
-    engine = Engine.from_options(**opts)
+    engine = build_engine(**opts)
     metrics = ServerMetrics()
     return ServerContext(AsyncEngine(engine, on_output=metrics.on_output), "tiny", max_queue=4, metrics=metrics)
 

@@ -10,6 +10,7 @@ import threading
 import pytest
 
 from pagedllm.engine.async_engine import AsyncEngine
+from pagedllm.engine.builder import build_engine
 from pagedllm.engine.engine import Engine
 from pagedllm.engine.sampling_params import SamplingParams
 
@@ -23,7 +24,7 @@ def test_a_factory_builds_and_steps_the_engine_on_the_engine_thread(tiny_folder)
 
     def build() -> Engine:
         seen["build"].add(threading.current_thread().name)
-        engine = Engine.from_options(**_tiny_options(tiny_folder))
+        engine = build_engine(**_tiny_options(tiny_folder))
         step = engine.step
 
         def recorded_step():
@@ -54,17 +55,16 @@ def test_a_factory_that_fails_raises_in_the_constructor():
 
 
 def test_serve_builds_the_engine_off_the_main_thread(tiny_folder, monkeypatch):
-    """``serve`` hands ``AsyncEngine`` a factory: ``Engine.from_options`` runs on the engine thread."""
+    """``serve`` hands ``AsyncEngine`` a factory: ``build_engine`` runs on the engine thread."""
     from pagedllm.server import serve as serve_module
 
     threads = []
-    real = Engine.from_options
 
-    def from_options(**options):
+    def build(**options):
         threads.append(threading.current_thread().name)
-        return real(**options)
+        return build_engine(**options)
 
-    monkeypatch.setattr(Engine, "from_options", staticmethod(from_options))
+    monkeypatch.setattr(serve_module, "build_engine", build)
     monkeypatch.setattr(serve_module._Server, "run", lambda self: None)  # no sockets: just the setup
     assert serve_module.serve(_tiny_options(tiny_folder), port=0) == 0
     assert threads == ["pagedllm-engine"]

@@ -4,9 +4,10 @@ an idle server, and the page and its assets are served from the package."""
 
 from __future__ import annotations
 
+from pagedllm.kvcache.block_map import CACHED, FREE, SHARED, STATE_NAMES, USED, state_counts
+from pagedllm.kvcache.block_map import block_map as block_states
 from pagedllm.kvcache.contiguous import ContiguousKVCacheManager
 from pagedllm.kvcache.manager import KVCacheManager
-from pagedllm.server.dashboard import CACHED, FREE, SHARED, USED, block_states
 from tests.server.test_metrics import samples
 
 
@@ -26,6 +27,7 @@ def test_block_states_follow_ref_counts_and_hashes():
     assert tables == {"a": a, "a-1": a, "b": b}
     assert [codes[i] for i in a] == [SHARED] * 3
     assert [codes[i] for i in b] == [USED] * 2
+    assert_counts_are_the_stats(kv)
     cached = [i for i, c in enumerate(codes) if c == CACHED]
     assert len(cached) == 2 and all(kv.allocator.blocks[i].ref_count == 0 for i in cached)
     assert codes.count(FREE) == 12 - 3 - 2 - 2 == kv.num_free_blocks - 2
@@ -34,6 +36,13 @@ def test_block_states_follow_ref_counts_and_hashes():
     assert len(hit) == 1 and kv.allocate_slots("d", 5, cached=hit)
     codes, _ = block_states(kv)
     assert codes.count(CACHED) == 1 and codes[hit[0].block_id] == USED
+    assert_counts_are_the_stats(kv)
+
+
+def assert_counts_are_the_stats(kv) -> None:
+    """The dashboard's counts come from ``stats()``: they equal the block map's, state by state."""
+    codes, _ = block_states(kv)
+    assert state_counts(kv.stats()) == {name: codes.count(code) for code, name in enumerate(STATE_NAMES)}
 
 
 def test_block_states_of_the_contiguous_layout():
@@ -43,6 +52,7 @@ def test_block_states_of_the_contiguous_layout():
     codes, tables = block_states(kv)
     assert tables == {"a": [0, 1, 2, 3], "a-1": [4, 5, 6, 7]}
     assert list(codes) == [USED] * 8 + [FREE] * 8
+    assert_counts_are_the_stats(kv)
 
 
 def test_state_route_page_and_assets(tiny_app):

@@ -89,10 +89,10 @@ def test_a_share_of_free_memory_sizes_the_pool_from_what_the_host_has_free():
 @pytest.mark.parametrize("bad,message", [("lots", "could not parse value and unit"), ("12 parsecs", "byte unit"),
                                          (None, "give bytes"), (True, "give bytes"), (0, "more than 0 bytes")])
 def test_a_bad_kv_cache_memory_gets_one_precise_message(bad, message):
-    from pagedllm.engine.engine import Engine
+    from pagedllm.engine.builder import build_engine
     from pagedllm.errors import ConfigError
 
     with pytest.raises(ConfigError, match=message) as info:
-        Engine.from_options(kv_cache_memory=bad)
+        build_engine(kv_cache_memory=bad)
     text = str(info.value)
     assert text.count("kv_cache_memory") == 1 and "constrained" not in text and "function-after" not in text

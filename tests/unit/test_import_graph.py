@@ -18,7 +18,8 @@ import pagedllm
 ROOT = Path(pagedllm.__file__).parent
 
 # Modules at the top of the package that import nothing above them.
-LEAVES = {"build_record", "cache_dir", "errors", "config", "cpu_features", "cpu_extension", "machine", "cli_args"}
+LEAVES = {"build_record", "cache_dir", "errors", "config", "dtypes", "cpu_features", "cpu_extension", "machine",
+          "cli_args"}
 # What each package may import, besides the leaves: those before it in the dependency order.
 BELOW_ENGINE = {"kvcache", "kvstore", "attention", "models"}
 ALLOWED = {

@@ -7,7 +7,7 @@ request's outputs on an ``asyncio.Queue`` of their own. Outputs are deltas
 output, so a long stream costs O(n). When no request is unfinished and no command is queued, the
 thread sleeps on a condition variable: an idle engine uses no CPU.
 
-Give ``AsyncEngine`` a factory (``AsyncEngine(lambda: Engine.from_options(...))``) and the engine
+Give ``AsyncEngine`` a factory (``AsyncEngine(lambda: build_engine(...))``) and the engine
 is built on its own thread, so that thread is the first to run torch's OpenMP parallel regions in
 the process. Measured on 2 cores (torch 2.13 CPU, GNU OpenMP): once the main thread has run a
 parallel region, the same decode steps on another thread ran 40% slower with only ~1.2 cores busy,

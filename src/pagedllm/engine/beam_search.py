@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import itertools
 import math
+import time
 from dataclasses import dataclass, field
 
+from pagedllm.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagedllm.engine.request import Request, RequestStatus
 from pagedllm.engine.sampler import TokenLogprobs
 from pagedllm.engine.sampling_params import RequestOutputKind, SamplingParams
@@ -178,7 +180,7 @@ class BeamGroup:
         self.live = new_live
         return left
 
-    def abort(self, scheduler, reason: RequestStatus = RequestStatus.FINISHED_ABORTED) -> list[str]:
+    def finish_beams(self, scheduler, reason: RequestStatus = RequestStatus.FINISHED_ABORTED) -> list[str]:
         """Finish every live beam; returns their ids."""
         ids = list(self.live)
         for rid in ids:
@@ -187,6 +189,57 @@ class BeamGroup:
         self.pending.clear()
         self.aborted = True
         return ids
+
+    # -- the request-owner interface (engine/request_owner.py) -------------------------------------
+    steps_always = True  # every step: a group waiting on memory its own beams hold must release it
+
+    def live_ids(self) -> list[str]:
+        return list(self.live)
+
+    def take_prompt_logprobs(self, entries, tokenizer) -> None:
+        pass  # beams ask for no prompt logprobs
+
+    def take_token(self, host, req: Request, logprobs: TokenLogprobs | None) -> None:
+        pass  # beams' tokens are chosen here (external_tokens), from their logprobs
+
+    def take_logprobs(self, request_id: str, logprobs: TokenLogprobs) -> None:
+        self.deliver(request_id, logprobs)
+
+    def end_step(self, host, outputs: list[RequestOutput]) -> None:
+        for rid in self.step(host.scheduler):
+            host.release(rid)
+        for rid in self.live:
+            host.adopt(rid, self)
+        if self.finished:
+            host.retire(self)
+            outputs.append(self.output(host.tokenizer))
+
+    def abort(self, host) -> None:
+        for rid in self.live_ids():
+            host.scheduler.finish(rid, RequestStatus.FINISHED_ABORTED)
+            host.release(rid)
+        self.finish_beams(host.scheduler)
+
+    def fail(self, host, message: str, outputs: list[RequestOutput]) -> None:
+        for rid in self.live_ids():
+            host.scheduler.finish(rid, RequestStatus.FINISHED_ERROR)
+            host.release(rid)
+        host.retire(self)
+        self.finish_beams(host.scheduler, RequestStatus.FINISHED_ERROR)
+        self.error = message
+        outputs.append(self.output(host.tokenizer))
+
+    def output(self, tokenizer) -> RequestOutput:
+        """The group's one output: the best ``beam_width`` completed beams, best first."""
+        n = len(self.prompt_token_ids)
+        completions = []
+        for i, seq in enumerate(self.ranked()):
+            generated = seq.tokens[n:]
+            text = None if tokenizer is None else tokenizer.decode(generated)
+            completions.append(CompletionOutput(i, text, generated, seq.finish_reason, None, seq.cum_logprob))
+        metrics = RequestMetrics(self.arrival_time, None, time.monotonic())
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, completions, True, metrics,
+                             error=self.error)
 
     def ranked(self) -> list[BeamSearchSequence]:
         """The best ``beam_width`` completed beams, best first."""

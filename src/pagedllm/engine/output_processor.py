@@ -16,6 +16,7 @@ concatenating ``DELTA`` outputs gives exactly the ``FINAL_ONLY`` output.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -25,6 +26,8 @@ from pagedllm.engine.request import Request, RequestStatus
 from pagedllm.engine.sampler import TokenLogprobs
 from pagedllm.engine.sampling_params import RequestOutputKind
 from pagedllm.models.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 
 def to_logprob_dict(lp: TokenLogprobs, tokenizer: Tokenizer | None) -> dict[int, Logprob]:
@@ -135,22 +138,77 @@ class RequestState:
     prompt_logprobs: PromptLogprobs | None = None
     error: str | None = None
     prompt_logprobs_sent: bool = False
+    changed: set[int] = field(default_factory=set)  # sequences with something new this step
+    steps_always = False  # a request-owner attribute (engine/request_owner.py): only steps with tokens
 
     @property
     def finished(self) -> bool:
         return all(s.finished for s in self.seqs)
 
-    def add_prompt_logprobs(self, entries: list[tuple[int, TokenLogprobs]], tokenizer: Tokenizer | None) -> None:
+    # -- the request-owner interface (engine/request_owner.py) -------------------------------------
+    def live_ids(self) -> list[str]:
+        return [s.request.request_id for s in self.seqs if not s.finished]
+
+    def take_token(self, host, req: Request, logprobs: TokenLogprobs | None) -> None:
+        """A sequence's new token: through its grammar (if any), its stop checks and detokenizer."""
+        seq = next(s for s in self.seqs if s.request is req)
+        token = req.output_token_ids[-1]
+        grammar_done = req.request_id in host.structured and self._accept_grammar(host, req, token)
+        stop = seq.add_token(token, None if logprobs is None else to_logprob_dict(logprobs, host.tokenizer))
+        if stop is not None and not req.status.finished:
+            host.scheduler.finish(req.request_id, RequestStatus.FINISHED_STOPPED)
+        if grammar_done and not seq.finished:  # the grammar is complete: only EOS could follow
+            host.scheduler.finish(req.request_id, RequestStatus.FINISHED_STOPPED)
+            seq.finish("stop")
+        if seq.finished:
+            host.release(req.request_id)
+        self.changed.add(seq.index)
+
+    def _accept_grammar(self, host, req: Request, token: int) -> bool:
+        """Feed a structured-output sequence its new token; True when its grammar is complete. A token
+        the grammar rejects fails this sequence alone (``finish_reason="error"``)."""
+        completed, error = host.structured.accept(req.request_id, token)
+        if error is not None:
+            log.error("request %s: %s", req.request_id, error)
+            self.error = error
+            host.scheduler.finish(req.request_id, RequestStatus.FINISHED_ERROR)
+        return completed
+
+    def take_logprobs(self, request_id: str, logprobs: TokenLogprobs) -> None:
+        pass  # a sampled sequence gets its logprobs with its token (take_token)
+
+    def end_step(self, host, outputs: list[RequestOutput]) -> None:
+        changed, self.changed = self.changed, set()
+        self._emit(host, outputs, changed)
+
+    def _emit(self, host, outputs: list[RequestOutput], changed: set[int] | None = None) -> None:
+        out = self.output(changed)
+        if self.finished:
+            host.retire(self)
+        if out is not None:
+            outputs.append(out)
+
+    def abort(self, host) -> None:
+        for rid in self.live_ids():
+            host.scheduler.finish(rid, RequestStatus.FINISHED_ABORTED)
+            host.release(rid)
+
+    def fail(self, host, message: str, outputs: list[RequestOutput]) -> None:
+        for rid in self.live_ids():
+            host.scheduler.finish(rid, RequestStatus.FINISHED_ERROR)
+            host.release(rid)
+        host.retire(self)
+        self.error = message
+        for s in self.seqs:
+            s.finish("error")
+        self._emit(host, outputs)
+
+    def take_prompt_logprobs(self, entries: list[tuple[int, TokenLogprobs]], tokenizer: Tokenizer | None) -> None:
         """Store log-probabilities of prompt tokens (entry (p, lp): of the token at position p + 1)."""
         if self.prompt_logprobs is None:
             self.prompt_logprobs = [None] * len(self.prompt_token_ids)
         for pos, lp in entries:
             self.prompt_logprobs[pos + 1] = to_logprob_dict(lp, tokenizer)
-
-    def fail(self, message: str) -> None:
-        self.error = message
-        for s in self.seqs:
-            s.finish("error")
 
     def output(self, changed: set[int] | None = None) -> RequestOutput | None:
         """The output this request owes its caller now (None if its kind has nothing to say yet).

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 from pagedllm.config import SchedulerConfig
 from pagedllm.engine.request import Request, RequestStatus
+from pagedllm.errors import RequestTooLong
 from pagedllm.kvcache.interface import KVCacheManagerProtocol
 
 
@@ -79,6 +80,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.swapped: list[Request] = []  # preempted by swap, oldest arrival first
         self.requests: dict[str, Request] = {}
+        self.empty_steps = 0  # consecutive steps that scheduled nothing while requests were unfinished
 
     # -- admission -------------------------------------------------------------------------
     def add(self, request: Request, forks: list[Request] = ()) -> None:
@@ -94,11 +96,46 @@ class Scheduler:
         request.pending_forks = list(forks)
         self.waiting.append(request)
 
+    def check_admissible(self, num_prompt: int, max_tokens: int | None) -> int:
+        """The admission rule (the engine's and the simulator's): a request's max_tokens (filled in
+        up to max_model_len when None); ``RequestTooLong`` if it cannot fit max_model_len or the
+        whole block pool."""
+        limit = self.config.max_model_len
+        if num_prompt >= limit:
+            raise RequestTooLong(f"prompt ({num_prompt} tokens) must be shorter than max_model_len ({limit}) "
+                                 "to leave room for at least one generated token")
+        if max_tokens is None:
+            max_tokens = limit - num_prompt
+        if num_prompt + max_tokens > limit:
+            raise RequestTooLong(
+                f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) = {num_prompt + max_tokens} tokens "
+                f"exceeds max_model_len ({limit})")
+        need = self.kv.max_blocks_for_request(num_prompt + max_tokens)
+        if need > self.kv.num_blocks:
+            raise RequestTooLong(
+                f"prompt + max_tokens = {num_prompt + max_tokens} tokens needs {need} KV blocks of "
+                f"{self.kv.block_size} ({self.kv.layout} layout), more than the whole pool "
+                f"(num_kv_blocks={self.kv.num_blocks})")
+        return max_tokens
+
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
+    @property
+    def stalled(self) -> bool:
+        """Two steps in a row scheduled nothing with requests unfinished: nothing ever will (a bug,
+        never expected). The engine fails those requests, the simulator rejects them."""
+        return self.empty_steps >= 2
+
     # -- one step ----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        """The next step's work; counts the steps in a row that scheduled nothing (``stalled``)."""
+        out = self._schedule()
+        self.empty_steps = self.empty_steps + 1 if out.is_empty and self.has_unfinished() else 0
+        return out
+
+    def _schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         self.kv.begin_step()

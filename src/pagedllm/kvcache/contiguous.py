@@ -142,6 +142,9 @@ class ContiguousKVCacheManager:
     def record_preemption(self) -> None:
         self.num_preemptions += 1
 
+    def cached_block_ids(self) -> list[int]:
+        return []  # no prefix caching in the contiguous baseline
+
     def stats(self) -> dict[str, float | int | str]:
         total = self.num_blocks
         free = self.num_free_blocks
@@ -151,7 +154,8 @@ class ContiguousKVCacheManager:
             "kv_layout": self.layout, "num_blocks": total, "block_size": self.block_size,
             "num_free_blocks": free, "num_used_blocks": total - free, "usage": 1.0 - free / total,
             "fragmentation": (reserved - filled) / reserved if reserved else 0.0,
-            "num_cached_blocks": 0, "prefix_cache_queries": 0, "prefix_cache_hits": 0,
+            "num_cached_blocks": 0, "num_idle_cached_blocks": 0, "num_shared_blocks": 0,
+            "prefix_cache_queries": 0, "prefix_cache_hits": 0,
             "num_preemptions": self.num_preemptions, "num_evictions": 0,
             "num_admission_stalls": self.num_admission_stalls, "num_cow_copies": self.num_cow_copies,
             "num_swapped_out_blocks": 0, "num_swapped_in_blocks": 0, "num_host_blocks": 0,

@@ -43,6 +43,9 @@ class KVCacheManagerProtocol(Protocol):
     def max_blocks_for_request(self, max_total_tokens: int) -> int:
         """Blocks a request of at most ``max_total_tokens`` tokens can come to hold."""
 
+    def cached_block_ids(self) -> list[int]:
+        """The blocks the prefix cache holds, in use or not (none without prefix caching)."""
+
     # prefix cache
     def cached_prefix(self, request_id: str, token_ids: Sequence[int], salt: str | None = None) -> list[Block]:
         """Blocks holding the longest cached prefix of full blocks (no side effects)."""

@@ -233,11 +233,16 @@ class KVCacheManager:
         self.num_preemptions += 1
 
     # -- stats ------------------------------------------------------------------------------------
+    def cached_block_ids(self) -> list[int]:
+        return self.prefix_cache.block_ids()
+
     def stats(self) -> dict[str, float | int]:
         total = self.num_blocks
         free = self.num_free_blocks
         reserved = sum(len(t.blocks) for t in self.tables.values()) * self.block_size
         filled = sum(t.num_slots for t in self.tables.values())
+        shared = {b.block_id for t in self.tables.values() for b in t.blocks if b.ref_count > 1}
+        idle_cached = sum(1 for b in self.prefix_cache.map.values() if b.ref_count == 0)
         return {
             "kv_layout": self.layout,
             "num_blocks": total,
@@ -247,6 +252,8 @@ class KVCacheManager:
             "usage": 1.0 - free / total,
             "fragmentation": (reserved - filled) / reserved if reserved else 0.0,
             "num_cached_blocks": len(self.prefix_cache),
+            "num_idle_cached_blocks": idle_cached,  # cached and held by no request: evictable
+            "num_shared_blocks": len(shared),       # held by more than one request
             "prefix_cache_queries": self.prefix_cache_queries,
             "prefix_cache_hits": self.prefix_cache_hits,
             "num_preemptions": self.num_preemptions,

@@ -17,6 +17,10 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self.map)
 
+    def block_ids(self) -> list[int]:
+        """The ids of the blocks it holds (in use or not)."""
+        return [block.block_id for block in self.map.values()]
+
     def get(self, block_hash: int) -> Block | None:
         return self.map.get(block_hash)
 

@@ -197,7 +197,7 @@ def build_app(ctx: ServerContext, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) 
 
     def model_card() -> dict:
         return {"id": ctx.model_name, "object": "model", "created": ctx.created, "owned_by": "pagedllm",
-                "max_model_len": ctx.engine.engine.config.scheduler.max_model_len}
+                "max_model_len": ctx.engine.engine.max_model_len}
 
     responses_store = ResponseStore()
 
@@ -277,7 +277,7 @@ def build_app(ctx: ServerContext, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) 
                 tokens = await ctx.tokenize(req.prompt, "prompt", add_special_tokens=req.add_special_tokens)
         except InvalidRequest as exc:
             raise OpenAIError(400, str(exc), "messages" if req.messages is not None else "prompt") from None
-        limit = ctx.engine.engine.config.scheduler.max_model_len
+        limit = ctx.engine.engine.max_model_len
         strs = ctx.tokenizer.hf.convert_ids_to_tokens(tokens) if req.return_token_strs else None
         return {"tokens": tokens, "count": len(tokens), "max_model_len": limit, "token_strs": strs}
 
@@ -294,7 +294,7 @@ def build_app(ctx: ServerContext, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) 
         ctx.check_model(req.model)
         if ctx.tokenizer is None:
             raise OpenAIError(400, "this model has no tokenizer")
-        vocab = ctx.engine.engine.config.model.vocab_size
+        vocab = ctx.engine.engine.vocab_size
         bad = [t for t in req.tokens if not 0 <= t < vocab]
         if bad:
             raise OpenAIError(400, f"token id {bad[0]} is outside the vocabulary [0, {vocab})", "tokens")

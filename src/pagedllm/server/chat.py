@@ -79,7 +79,7 @@ async def start_chat(ctx: ServerContext, req: ChatCompletionRequest, raw: Reques
     ctx.check_costs(req)
     req = ctx.resolve_logprobs(req)
     plan = ToolPlan.of(req, ctx.tool_call_parser)  # a bad tool_choice: InvalidRequest, a 400
-    prompt_ids = req.truncated(await chat_prompt_ids(ctx, req, plan), ctx.engine.engine.config.scheduler.max_model_len)
+    prompt_ids = req.truncated(await chat_prompt_ids(ctx, req, plan), ctx.engine.engine.max_model_len)
     params, top = _chat_params(ctx, req, plan)
     request_id = request_id or new_id("chatcmpl")
     prompt = {"prompt_token_ids": prompt_ids, **_salt(ctx, req, raw)}
@@ -93,7 +93,7 @@ def _head(ctx: ServerContext, request_id: str) -> dict:
 
 def _chat_params(ctx: ServerContext, req: ChatCompletionRequest, plan: ToolPlan | None):
     """(the engine's sampling or beam-search params for ``req``, its top-logprobs count)."""
-    limit = ctx.engine.engine.config.scheduler.max_model_len
+    limit = ctx.engine.engine.max_model_len
     # the top-logprobs count; with logprob_token_ids, those tokens and the chosen one (ranked)
     top = len(req.logprob_token_ids) + 1 if req.logprob_token_ids else req.top_logprobs or 0
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -118,7 +118,7 @@ async def create_batch_chat_completion(ctx: ServerContext, batch: BatchChatCompl
     ctx.check_costs(batch)
     batch = ctx.resolve_logprobs(batch)
     requests = batch.conversations()
-    limit = ctx.engine.engine.config.scheduler.max_model_len
+    limit = ctx.engine.engine.max_model_len
     salt = _salt(ctx, batch, raw)
     prompts = []
     for i, req in enumerate(requests):

@@ -105,7 +105,7 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Req
         params = req.sampling_params(req.max_tokens, req.logprobs, prompt_logprobs=max(wanted) if wanted else None)
     request_id = new_id("cmpl")
     field = req.constraint_field
-    limit = ctx.engine.engine.config.scheduler.max_model_len
+    limit = ctx.engine.engine.max_model_len
     streams = await add_prompts(ctx, prompts, params, request_id, field,
                                 truncate=lambda ids: req.truncated(ids, limit))  # bad: 400
     outputs = merge(streams, field)

@@ -34,35 +34,13 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
 from pagedllm.engine.engine import Engine
+from pagedllm.kvcache.block_map import state_counts
 from pagedllm.server.errors import OpenAIError
 from pagedllm.server.serving import ServerContext
 
-FREE, CACHED, USED, SHARED = 0, 1, 2, 3
-STATE_NAMES = ("free", "cached", "used", "shared")
-_DIGITS = bytes.maketrans(bytes(range(4)), b"0123")
+_DIGITS = bytes.maketrans(bytes(range(4)), b"0123")  # state codes (kvcache/block_map.py) as text
 STATIC = Path(__file__).with_name("static")  # package data (pyproject.toml)
 STATIC_FILES = {"dashboard.js": "text/javascript; charset=utf-8", "dashboard.css": "text/css; charset=utf-8"}
-
-
-def block_states(kv) -> tuple[bytearray, dict[str, list[int]]]:
-    """(one state code per block, request id -> its block ids) of a paged or contiguous manager.
-
-    Visits the prefix cache's blocks and the blocks of every table, never the whole pool: a block
-    in no table has ref count 0 (the managers' invariant), so it is cached if it holds a hash and
-    free otherwise."""
-    codes = bytearray(kv.num_blocks)
-    cache = getattr(kv, "prefix_cache", None)
-    if cache is not None:
-        for block in cache.map.values():
-            codes[block.block_id] = CACHED
-    tables: dict[str, list[int]] = {}
-    for request_id, table in kv.tables.items():
-        ids = []
-        for block in table.blocks:
-            codes[block.block_id] = USED if block.ref_count == 1 else SHARED
-            ids.append(block.block_id)
-        tables[request_id] = ids
-    return codes, tables
 
 
 def _request_row(req) -> dict:
@@ -72,26 +50,25 @@ def _request_row(req) -> dict:
 
 def dashboard_state(engine: Engine) -> dict:
     """Everything the page shows, read at one engine step (call it on the engine thread)."""
-    kv = engine.kv_manager
-    codes, tables = block_states(kv)
-    counts = {name: codes.count(code) for code, name in enumerate(STATE_NAMES)}
-    cache = getattr(kv, "prefix_cache", None)
-    counts["hashed"] = len(cache) if cache is not None else 0
-    sched = engine.scheduler
+    stats = engine.stats()
+    codes, tables = engine.kv_block_map()
+    counts = state_counts(stats)
+    counts["hashed"] = stats["num_cached_blocks"]
+    running, waiting = engine.request_queues()
     return {
-        "step": engine.num_steps,
+        "step": stats["num_steps"],
         "time": time.monotonic(),
-        "layout": kv.layout,
-        "num_blocks": kv.num_blocks,
-        "block_size": kv.block_size,
+        "layout": stats["kv_layout"],
+        "num_blocks": stats["num_blocks"],
+        "block_size": stats["block_size"],
         "states": codes.translate(_DIGITS).decode("ascii"),
         "tables": tables,
         "counts": counts,
-        "usage": 1.0 - kv.num_free_blocks / kv.num_blocks,
-        "running": [_request_row(r) for r in sched.running],
-        "waiting": [_request_row(r) for r in (*sched.waiting, *sched.swapped)],
-        "prefix_cache_queries": getattr(kv, "prefix_cache_queries", 0),
-        "prefix_cache_hits": getattr(kv, "prefix_cache_hits", 0),
+        "usage": stats["usage"],
+        "running": [_request_row(r) for r in running],
+        "waiting": [_request_row(r) for r in waiting],
+        "prefix_cache_queries": stats["prefix_cache_queries"],
+        "prefix_cache_hits": stats["prefix_cache_hits"],
     }
 
 

@@ -33,11 +33,7 @@ LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0
 
 def engine_snapshot(engine: Engine) -> dict:
     """The engine's queues and KV pool (run on the engine thread)."""
-    stats = engine.kv_cache_stats()
-    sched = engine.scheduler
-    stats.update(num_requests_running=len(sched.running), num_requests_waiting=len(sched.waiting) + len(sched.swapped),
-                 num_requests_swapped=len(sched.swapped), num_steps=engine.num_steps)
-    return stats
+    return engine.stats()
 
 
 class _EngineCollector:

@@ -135,8 +135,8 @@ def _nullable_variant(prop: dict) -> dict:
 
 def _apply_model_bounds(schemas: dict, ctx: ServerContext) -> None:
     engine = ctx.engine.engine
-    _bound_integers(schemas, engine.config.model.vocab_size)
-    max_model_len = engine.config.scheduler.max_model_len
+    _bound_integers(schemas, engine.vocab_size)
+    max_model_len = engine.max_model_len
     limits = ctx.limits
     for name in ("CompletionRequest", "ChatCompletionRequest", "BatchChatCompletionRequest"):
         props = schemas[name]["properties"]
@@ -144,8 +144,8 @@ def _apply_model_bounds(schemas: dict, ctx: ServerContext) -> None:
         for field in ("max_tokens", "max_completion_tokens", "min_tokens"):
             if field in props:
                 _nullable_variant(props[field])["maximum"] = max_model_len - 1
-        max_logprobs = engine.config.scheduler.max_logprobs
-        whole = max_logprobs == -1 or max_logprobs >= engine.config.model.vocab_size  # -1 (all) within the limit
+        max_logprobs = engine.max_logprobs
+        whole = max_logprobs == -1 or max_logprobs >= engine.vocab_size  # -1 (all) within the limit
         for field in ("logprobs", "top_logprobs", "prompt_logprobs"):  # within --max-logprobs
             count = _nullable_variant(props[field]) if field in props else {}
             if count.get("type") == "integer":

@@ -18,6 +18,7 @@ import uvicorn
 
 from pagedllm.cli_args import add_option_args, engine_options
 from pagedllm.engine.async_engine import AsyncEngine
+from pagedllm.engine.builder import build_engine
 from pagedllm.engine.engine import Engine
 from pagedllm.server.app import build_app
 from pagedllm.server.limits import ServerLimits
@@ -91,7 +92,7 @@ def serve(options: dict, host: str = "127.0.0.1", port: int = 8000, api_keys: tu
     if served_model_name or metrics_prefix == "pagedllm":
         metrics_ready.append(ServerMetrics(metrics_prefix, served_model_name or options.get("model")))
     # built on the engine thread: the main thread (uvicorn's) never runs a torch parallel region
-    async_engine = AsyncEngine(lambda: Engine.from_options(**options), on_output=lambda out: metrics_ready[0]
+    async_engine = AsyncEngine(lambda: build_engine(**options), on_output=lambda out: metrics_ready[0]
                                .on_output(out))
     engine = async_engine.engine
     model_name = served_model_name or options.get("model") or engine.model_path.stem

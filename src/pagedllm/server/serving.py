@@ -90,14 +90,14 @@ class ServerContext:
         """``req`` with its logprobs counts (``logprobs`` on completions, ``top_logprobs``,
         ``prompt_logprobs``) as the engine takes them (``logprobs_count``: -1 is the whole
         vocabulary; past ``--max-logprobs`` a 400 naming the field)."""
-        config = self.engine.engine.config
+        engine = self.engine.engine
         changed = {}
         for name in ("logprobs", "top_logprobs", "prompt_logprobs"):
             value = getattr(req, name, None)
             if value is None or isinstance(value, bool):  # chat's logprobs is a switch, not a count
                 continue
             try:
-                count = logprobs_count(name, value, config.scheduler.max_logprobs, config.model.vocab_size)
+                count = logprobs_count(name, value, engine.max_logprobs, engine.vocab_size)
             except InvalidRequest as exc:
                 raise OpenAIError(400, str(exc), name) from None
             if count != value:
@@ -121,13 +121,13 @@ class ServerContext:
             return self.limits.max_prompt_bytes
         if self.tokenizer is None:
             return None
-        return self.engine.engine.config.scheduler.max_model_len * self.tokenizer.max_token_bytes  # cached
+        return self.engine.engine.max_model_len * self.tokenizer.max_token_bytes  # cached
 
     def check_prompt_bytes(self, num_bytes: int, field: str) -> None:
         """400 ``context_length_exceeded`` for prompt text too long to fit, before tokenizing it."""
         limit = self.max_prompt_bytes
         if limit is not None and num_bytes > limit:
-            max_len = self.engine.engine.config.scheduler.max_model_len
+            max_len = self.engine.engine.max_model_len
             raise OpenAIError(400, f"{field} is {num_bytes} bytes of text, more than the {limit} that "
                               f"{max_len} tokens (max_model_len) can hold; it was not tokenized", field,
                               "context_length_exceeded")
@@ -151,7 +151,7 @@ class ServerContext:
     @property
     def capacity(self) -> int:
         """Most sequences admitted at once: a full batch running plus ``max_queue`` waiting."""
-        return self.engine.engine.config.scheduler.max_num_seqs + self.max_queue
+        return self.engine.engine.max_num_seqs + self.max_queue
 
     def admit(self, num_seqs: int) -> Admission:
         """Admit a request of ``num_seqs`` sequences (prompts x ``n``) or refuse it: 429 with
@@ -206,7 +206,7 @@ async def compile_constraint(ctx: ServerContext, params: SamplingParams, field: 
     if getattr(params, "structured_outputs", None) is None:  # BeamSearchParams have none
         return
     try:
-        await asyncio.to_thread(ctx.engine.engine.structured.compile, params.structured_outputs)
+        await asyncio.to_thread(ctx.engine.engine.compile_grammar, params.structured_outputs)
     except (InvalidRequest, ValueError) as e:
         message = str(e)
         for old, new in _CONSTRAINT_NAMES.get(field, ()):

@@ -18,8 +18,9 @@ from pathlib import Path
 
 import numpy as np
 
+from pagedllm.config import DTYPE_BYTES
 from pagedllm.sim.engine_replay import replay
-from pagedllm.sim.shapes import DTYPE_BYTES, Device, ModelShape, get_device
+from pagedllm.sim.shapes import Device, ModelShape, get_device
 from pagedllm.sim.simulator import StepTimeModel, simulate
 from pagedllm.workloads.traces import TraceRequest, make_trace
 

@@ -6,8 +6,8 @@ compare``, so no command module is a library for another. Building these does no
 
 from __future__ import annotations
 
-from pagedllm.config import SchedulerConfig, parse_memory_budget
-from pagedllm.sim.shapes import DTYPE_BYTES, get_device, get_model
+from pagedllm.config import DTYPE_BYTES, SchedulerConfig, parse_memory_budget
+from pagedllm.sim.shapes import get_device, get_model
 from pagedllm.sim.simulator import StepTimeModel
 from pagedllm.workloads.traces import make_trace, read_trace
 

@@ -31,10 +31,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from pagedllm.cli_args import add_shape_presets, add_trace_source
-from pagedllm.config import CacheConfig, SchedulerConfig
+from pagedllm.config import DTYPE_BYTES, CacheConfig, SchedulerConfig
 from pagedllm.sim.block_size import choose, parse_block_sizes, sweep
 from pagedllm.sim.inputs import load_trace
-from pagedllm.sim.shapes import DTYPE_BYTES, get_device, get_model
+from pagedllm.sim.shapes import get_device, get_model
 from pagedllm.sim.simulator import StepTimeModel, simulate
 
 MEMORY_SHARES = (0.1, 0.2, 0.3, 0.5, 0.7, 0.9)

@@ -14,7 +14,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 GiB = 1024**3
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 @dataclass(frozen=True)

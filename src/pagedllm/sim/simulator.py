@@ -26,6 +26,7 @@ from pagedllm.config import CacheConfig, SchedulerConfig
 from pagedllm.engine.request import Request, RequestStatus
 from pagedllm.engine.sampling_params import SamplingParams
 from pagedllm.engine.scheduler import Scheduler, SchedulerOutput
+from pagedllm.errors import RequestTooLong
 from pagedllm.kvcache.factory import make_kv_manager
 from pagedllm.sim.shapes import Device, ModelShape
 from pagedllm.workloads.traces import TraceRequest, prompt_token_ids
@@ -177,7 +178,7 @@ def simulate(trace: list[TraceRequest], timing: StepTimeModel, cache: CacheConfi
     pending = deque(zip(records, trace, strict=True))
     steps: list[StepSample] = []
     finish_order: list[str] = []
-    clock, empty, control = 0.0, 0, 0.0
+    clock, control = 0.0, 0.0
     retired = dict.fromkeys(RETIRED_COUNTERS, 0)  # counters of pools replaced by a re-plan
     replans: list[tuple[float, int]] = []
     while pending or sched.has_unfinished():
@@ -185,8 +186,9 @@ def simulate(trace: list[TraceRequest], timing: StepTimeModel, cache: CacheConfi
             rec, r = pending.popleft()
             if r.prompt_len is None:
                 raise ValueError(f"request {rec.request_id} has a text prompt: the simulator needs prompt_len")
-            total = r.prompt_len + r.output_len  # the engine's admission rule (Engine._max_tokens)
-            if total > scheduler.max_model_len or kv.max_blocks_for_request(total) > kv.num_blocks:
+            try:
+                sched.check_admissible(r.prompt_len, r.output_len)  # the engine's admission rule
+            except RequestTooLong:
                 rec.status = "rejected"
                 if progress is not None:
                     progress(1)
@@ -211,8 +213,7 @@ def simulate(trace: list[TraceRequest], timing: StepTimeModel, cache: CacheConfi
         out = sched.schedule()
         control += time.perf_counter() - t0
         if out.is_empty:
-            empty += 1
-            if empty >= 2:  # nothing can ever run (the engine fails these requests the same way)
+            if sched.stalled:  # nothing can ever run (the engine fails these requests the same way)
                 for req in list(sched.requests.values()):
                     by_id[req.request_id].status = "rejected"
                     sched.finish(req.request_id, RequestStatus.FINISHED_ERROR)
@@ -221,7 +222,6 @@ def simulate(trace: list[TraceRequest], timing: StepTimeModel, cache: CacheConfi
             elif pending:
                 clock = max(clock, pending[0][0].arrival)
             continue
-        empty = 0
         seconds = timing.step_seconds(out)
         clock += seconds
         sampled = {c.request_id: STAND_IN_TOKEN for c in out.chunks if c.sample}

@@ -1,0 +1,108 @@
+"""Engine construction: options resolved, weights loaded and finalised, the engine built around them.
+
+``build_engine`` turns ``EngineOptions`` (or their fields as keywords) into a running ``Engine``:
+the model path and weights, the dtype and quantization each resolved for this device, the CPU
+family's kernel plan (``models/kernel_plan.py``), the scheduler's limits, the network built on the
+meta device and loaded, the tokenizer. A bad option raises ``ConfigError`` before anything loads.
+Everything alive when it returns lives as long as the engine, so it is moved out of the cyclic
+GC's scans (as vLLM does); that is the builder's business, not the engine's.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import gc
+import time
+
+import torch
+from pydantic import ValidationError
+
+from pagedllm import cpu_features
+from pagedllm.config import DEFAULT_STEP_TOKENS, QUANTIZATIONS, EngineConfig, EngineOptions, describe_error
+from pagedllm.dtypes import torch_dtype
+from pagedllm.engine.engine import Engine
+from pagedllm.errors import ConfigError
+from pagedllm.models import decoder_stack
+from pagedllm.models.kernel_plan import plan_kernels
+from pagedllm.models.layer_ops import CpuLayerOps, get_layer_ops
+from pagedllm.models.llama import LlamaForCausalLM
+from pagedllm.models.loader import LoadedWeights, load_weights, resolve_dtype, resolve_model_path
+from pagedllm.models.tokenizer import Tokenizer
+
+
+def resolve_quantization(quantization: str, weights: LoadedWeights, dtype: str, device: str) -> str:
+    """``auto`` -> ``gguf`` for a GGUF with Q4_0/Q4_1/Q8_0 tensors on CPU in bf16/fp16 (the fast
+    path), else ``none``; an explicit ``gguf`` that cannot apply is an error."""
+    if quantization not in QUANTIZATIONS:
+        raise ConfigError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
+    usable = bool(weights.quantized) and device == "cpu"
+    if quantization == "auto":
+        return "gguf" if usable and dtype != "float32" else "none"
+    if quantization == "gguf" and not usable:
+        why = "runs on CPU only" if weights.quantized else "needs a GGUF model with Q4_0, Q4_1 or Q8_0 tensors"
+        raise ConfigError(f"quantization='gguf' {why}")
+    return quantization
+
+
+def build_engine(options: EngineOptions | None = None, **overrides) -> Engine:
+    """Load a model and build an engine from ``EngineOptions`` (or its fields as keywords; see
+    ``pagedllm.config`` for what each option means). A bad option raises ``ConfigError``."""
+    try:
+        if options is None:
+            options = EngineOptions(**overrides)
+        elif overrides:
+            options = dataclasses.replace(options, **overrides)
+    except ValidationError as e:
+        raise ConfigError(describe_error(e)) from None
+    device, dtype = options.device, options.dtype
+    cache = options.cache_config()
+    if cache.kv_layout != "paged" and cache.enable_prefix_caching:
+        cache = dataclasses.replace(cache, enable_prefix_caching=False)
+    layer_ops = get_layer_ops(device)  # may compile C++ on first use: not part of the load time
+    if isinstance(layer_ops, CpuLayerOps):
+        decoder_stack.EXTENSION.load()  # the same, for the C++ layer loop the model builds on its first step
+    t0 = time.perf_counter()
+    path = resolve_model_path(options.model)
+    weights = load_weights(path)
+    mcfg = weights.config
+    max_model_len = options.max_model_len
+    if max_model_len is None:
+        max_model_len = mcfg.max_position_embeddings
+    elif max_model_len > mcfg.max_position_embeddings:
+        raise ConfigError(f"max_model_len={max_model_len} exceeds the model's context length "
+                          f"({mcfg.max_position_embeddings})")
+    resolved_dtype = resolve_dtype(dtype, device)
+    # the kernels this CPU family runs best (kernel_plan): e.g. bf16/fp16 GEMMs in float32 on
+    # CPUs without native bf16/fp16 dot products (3-4x faster), each family's crossovers, and the
+    # step budget its GEMMs run best at
+    plan = plan_kernels(cpu_features.current(), torch_dtype(resolved_dtype)) if device == "cpu" else None
+    if plan is not None and plan.dense_kernel == "panels" and not (
+            isinstance(layer_ops, CpuLayerOps) and layer_ops.ops.has_panel_linear()):
+        plan = dataclasses.replace(plan, dense_kernel="onednn")  # the panel GEMM lives in the C++ layer ops
+    scheduler = options.scheduler_config(max_model_len, plan.step_tokens if plan else DEFAULT_STEP_TOKENS)
+    config = EngineConfig(model=mcfg, cache=cache, scheduler=scheduler,
+                          dtype=resolved_dtype, device=device, seed=options.seed,
+                          quantization=resolve_quantization(options.quantization, weights, resolved_dtype, device))
+    with torch.device("meta"):
+        net = LlamaForCausalLM(mcfg, torch_dtype(config.dtype), max_model_len, device=device, layer_ops=layer_ops)
+    net.load_hf_state_dict(weights.state_dict)
+    if config.quantization == "gguf":
+        net.use_gguf_quantized(weights.quantized, plan)
+    if plan is not None:
+        net.prepack_weights(plan)
+    net.eval()
+    del weights
+    tokenizer = Tokenizer.load(path, path.suffix == ".gguf")
+    load_seconds = time.perf_counter() - t0  # weights + tokenizer; not the kernel build
+    engine = Engine(config, net, tokenizer, options.attention_backend)
+    engine.load_seconds = load_seconds
+    engine.kernel_plan = plan
+    engine.model_path = path
+    # Everything alive now lives as long as the engine: keep it out of the cyclic GC's scans
+    # (hundreds of thousands of objects after importing torch and transformers), as vLLM does.
+    gc.collect()
+    gc.freeze()
+    atexit.unregister(gc.unfreeze)  # registered once per process
+    atexit.register(gc.unfreeze)    # let interpreter shutdown collect them as usual
+    return engine
