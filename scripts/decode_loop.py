@@ -18,7 +18,7 @@ def main() -> None:
     batch = int(sys.argv[1]) if len(sys.argv) > 1 else 1
     seconds = float(sys.argv[2]) if len(sys.argv) > 2 else 8.0
     engine = LLM(dtype="bfloat16").engine
-    engine.runner.model.layer_loop = sys.argv[3] if len(sys.argv) > 3 else "auto"
+    engine.runner.model.finalize(engine.runner.backend, sys.argv[3] if len(sys.argv) > 3 else "auto")
 
     def fill() -> None:
         for i in range(batch):

@@ -23,7 +23,7 @@ ROUNDS = 5
 
 def run(engine, batch: int, loop: str, steps: int = 40) -> tuple[float, list[list[int]]]:
     """Milliseconds per decode step, and each request's tokens."""
-    engine.runner.model.layer_loop = loop
+    engine.runner.model.finalize(engine.runner.backend, loop)
     ids = [f"{loop}-{time.perf_counter_ns()}-{i}" for i in range(batch)]
     for i, rid in enumerate(ids):
         engine.add_request(rid, list(range(100 + i, 228 + i)),
@@ -40,7 +40,7 @@ def run(engine, batch: int, loop: str, steps: int = 40) -> tuple[float, list[lis
 
 
 def prefill_tok_s(llm: LLM, n: int, length: int, loop: str, seed: int) -> float:
-    llm.engine.runner.model.layer_loop = loop
+    llm.engine.runner.model.finalize(llm.engine.runner.backend, loop)
     gen = torch.Generator().manual_seed(seed)
     prompts = [{"prompt_token_ids": torch.randint(100, 40000, (length,), generator=gen).tolist()} for _ in range(n)]
     t0 = time.perf_counter()

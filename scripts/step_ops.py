@@ -17,7 +17,7 @@ from pagedllm import LLM, SamplingParams
 def main() -> None:
     batch = int(sys.argv[1]) if len(sys.argv) > 1 else 64
     engine = LLM(dtype="bfloat16").engine
-    engine.runner.model.layer_loop = sys.argv[2] if len(sys.argv) > 2 else "auto"
+    engine.runner.model.finalize(engine.runner.backend, sys.argv[2] if len(sys.argv) > 2 else "auto")
     for i in range(batch):
         engine.add_request(str(i), list(range(100 + i, 228 + i)),
                            SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))

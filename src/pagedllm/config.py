@@ -28,6 +28,7 @@ DEFAULT_STEP_TOKENS = 1024  # max_num_batched_tokens where no CPU family measure
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # the one dtype table: names and element sizes
 SUPPORTED_DTYPES = ("auto", *DTYPE_BYTES)
 ATTENTION_BACKENDS = ("auto", "cpu", "triton", "reference")
+LAYER_LOOPS = ("auto", "python")  # who runs the decoder layers: the C++ stack where it applies, or Python
 EVICTION_POLICIES = ("lru", "lfu", "lru-lfu", "size-weighted")  # kvcache/eviction.py
 HASH_ALGOS = ("xxh3_128", "sha256")  # prefix-cache block hashes (kvcache/hashing.py)
 RESERVATIONS = ("max_model_len", "request")  # what a contiguous request reserves (kvcache/contiguous.py)
@@ -84,6 +85,9 @@ class LoadOptions:
     attention_backend: Literal[ATTENTION_BACKENDS] = Field(
         "auto", description="cpu (C++ kernel), triton (GPU), reference (pure torch); auto picks by device")
     seed: Annotated[int, Field(strict=True)] = Field(0, description="seeds the sampling of requests without a seed")
+    layer_loop: Literal[LAYER_LOOPS] = Field(
+        "auto", description="auto: the C++ decoder stack runs the layers where it applies; python: the Python "
+                            "layer loop (for A/B)")
 
 
 @pydantic_dataclass(frozen=True, config=_STRICT)

@@ -28,7 +28,7 @@ PARAMS = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprob
 def run(llm: LLM, prompts: list[list[int]], loop: str):
     """(tokens, logprobs) per prompt, and how many attention calls went through Python."""
     model, backend = llm.engine.runner.model, llm.engine.runner.backend
-    model.layer_loop = loop
+    model.finalize(backend, loop)
     calls = []
     fused = backend.rope_store_attend
 
@@ -41,7 +41,7 @@ def run(llm: LLM, prompts: list[list[int]], loop: str):
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS, use_tqdm=False)
     finally:
         del backend.rope_store_attend
-        model.layer_loop = "auto"
+        model.finalize(backend)
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], len(calls)
 
 
@@ -104,7 +104,13 @@ def test_tiny_checkpoints_equal_the_python_loop(tmp_path, monkeypatch, arch, dty
         assert model.use_gguf_quantized(gguf_blocks(folder, kind), max_rows=8,
                                         int4_kernel=int4_kernel) == 4 * model.config.num_layers
         # the stack must be rebuilt with the new kernels: a stale one would decode with the dense
-        # weights, whose logprobs differ from the quantized ones the Python loop uses
+        # weights, whose logprobs differ from the quantized ones the Python loop uses. Changed
+        # weights undo finalize: no step runs the stale stack until it is called again
+        backend = llm.engine.runner.backend
+        assert model.decoder_stack(backend) is None
+        with pytest.raises(RuntimeError, match="not finalised"):
+            model.forward(torch.tensor([5]), torch.tensor([0]), None, llm.engine.runner.kv, backend)
+        model.finalize(backend)
         kernel = model.layers[0].mlp.down_proj.small_batch
         expected = {"Q8_0": Int8BlockMatmul, "Q4_1": Int4BlockMatmul, "Q4_0": Int4Matmul}[kind]
         assert isinstance(kernel, expected)
@@ -131,7 +137,7 @@ def test_the_python_loop_runs_where_the_stack_does_not_apply(tmp_path):
     lin = model.layers[0].mlp.down_proj
     lin.use_quantized(NativePackedMatmul(torch.empty(0)), 1)
     assert decoder_stack.describe_projection(module, lin) is None
-    model.layer_loop = "python"
+    model.finalize(llm.engine.runner.backend, "python")
     assert model.decoder_stack(llm.engine.runner.backend) is None
 
 
@@ -152,11 +158,10 @@ def test_widened_layers_keep_float32_between_the_ops(tmp_path, monkeypatch, fami
     assert_stack_equals_python_loop(llm, prompts_for(512, (3, 40)))
     copies = {}
     for loop in ("python", "auto"):
-        model.layer_loop = loop
+        model.finalize(llm.engine.runner.backend, loop)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             llm.generate([{"prompt_token_ids": list(range(10, 50))}], PARAMS, use_tqdm=False)  # 10 forwards
         copies[loop] = sum(e.count for e in prof.key_averages() if e.key == "aten::copy_")
-    model.layer_loop = "auto"
     assert copies["python"] - copies["auto"] == 6 * model.config.num_layers * PARAMS.max_tokens
 
 

@@ -44,9 +44,9 @@ def main(args) -> dict:
 
     llm = LLM(model=args.model, dtype=args.dtype, attention_backend=args.attention_backend,
               quantization=args.quantization,
-              block_size=args.block_size, kv_cache_memory=args.kv_cache_memory, max_num_seqs=max(64, args.batch))
+              block_size=args.block_size, kv_cache_memory=args.kv_cache_memory, max_num_seqs=max(64, args.batch),
+              layer_loop=args.layer_loop)
     engine = llm.engine
-    engine.runner.model.layer_loop = args.layer_loop
     gen = torch.Generator().manual_seed(0)
     vocab = engine.config.model.vocab_size
     for i in range(args.batch):

@@ -19,30 +19,17 @@ import torch
 from pydantic import ValidationError
 
 from pagedllm import cpu_features
-from pagedllm.config import DEFAULT_STEP_TOKENS, QUANTIZATIONS, EngineConfig, EngineOptions, describe_error
+from pagedllm.config import DEFAULT_STEP_TOKENS, EngineConfig, EngineOptions, describe_error
 from pagedllm.dtypes import torch_dtype
 from pagedllm.engine.engine import Engine
 from pagedllm.errors import ConfigError
 from pagedllm.models import decoder_stack
 from pagedllm.models.kernel_plan import plan_kernels
 from pagedllm.models.layer_ops import CpuLayerOps, get_layer_ops
-from pagedllm.models.llama import LlamaForCausalLM
-from pagedllm.models.loader import LoadedWeights, load_weights, resolve_dtype, resolve_model_path
+from pagedllm.models.loader import load_weights, resolve_dtype, resolve_model_path
+from pagedllm.models.quantization import QUANTIZATION_METHODS, resolve_quantization
+from pagedllm.models.registry import model_class
 from pagedllm.models.tokenizer import Tokenizer
-
-
-def resolve_quantization(quantization: str, weights: LoadedWeights, dtype: str, device: str) -> str:
-    """``auto`` -> ``gguf`` for a GGUF with Q4_0/Q4_1/Q8_0 tensors on CPU in bf16/fp16 (the fast
-    path), else ``none``; an explicit ``gguf`` that cannot apply is an error."""
-    if quantization not in QUANTIZATIONS:
-        raise ConfigError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
-    usable = bool(weights.quantized) and device == "cpu"
-    if quantization == "auto":
-        return "gguf" if usable and dtype != "float32" else "none"
-    if quantization == "gguf" and not usable:
-        why = "runs on CPU only" if weights.quantized else "needs a GGUF model with Q4_0, Q4_1 or Q8_0 tensors"
-        raise ConfigError(f"quantization='gguf' {why}")
-    return quantization
 
 
 def build_engine(options: EngineOptions | None = None, **overrides) -> Engine:
@@ -85,17 +72,17 @@ def build_engine(options: EngineOptions | None = None, **overrides) -> Engine:
                           dtype=resolved_dtype, device=device, seed=options.seed,
                           quantization=resolve_quantization(options.quantization, weights, resolved_dtype, device))
     with torch.device("meta"):
-        net = LlamaForCausalLM(mcfg, torch_dtype(config.dtype), max_model_len, device=device, layer_ops=layer_ops)
+        net = model_class(mcfg.architecture)(mcfg, torch_dtype(config.dtype), max_model_len, device=device,
+                                             layer_ops=layer_ops)
     net.load_hf_state_dict(weights.state_dict)
-    if config.quantization == "gguf":
-        net.use_gguf_quantized(weights.quantized, plan)
+    QUANTIZATION_METHODS[config.quantization].apply(net, weights, plan)
     if plan is not None:
         net.prepack_weights(plan)
     net.eval()
     del weights
     tokenizer = Tokenizer.load(path, path.suffix == ".gguf")
     load_seconds = time.perf_counter() - t0  # weights + tokenizer; not the kernel build
-    engine = Engine(config, net, tokenizer, options.attention_backend)
+    engine = Engine(config, net, tokenizer, options.attention_backend, options.layer_loop)
     engine.load_seconds = load_seconds
     engine.kernel_plan = plan
     engine.model_path = path

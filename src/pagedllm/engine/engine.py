@@ -51,7 +51,7 @@ class Engine:
     """Continuous-batching inference engine over a paged KV cache."""
 
     def __init__(self, config: EngineConfig, model: LlamaForCausalLM, tokenizer: Tokenizer | None,
-                 attention_backend: str = "auto") -> None:
+                 attention_backend: str = "auto", layer_loop: str = "auto") -> None:
         self.config = config
         self.tokenizer = tokenizer
         dtype = torch_dtype(config.dtype)
@@ -59,6 +59,7 @@ class Engine:
         spec = KVSpec.for_model(config.model, cc.block_size, dtype)
         backend = get_backend(attention_backend, config.device, config.model.head_dim)
         backend.check_kv_spec(spec, dtype)
+        model.finalize(backend, layer_loop)  # the weights are final: bind them, build the C++ stack
         num_blocks = num_blocks_for(spec, cc, config.device)
         swapping = config.scheduler.preemption_mode == "swap" and cc.kv_layout == "paged"
         num_host_blocks = cc.swap_space // spec.bytes_per_block if swapping else 0

@@ -17,11 +17,14 @@ the model keeps its Python loop.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from pagedllm.cpu_extension import CppExtension
 from pagedllm.models.layer_ops import CpuLayerOps
 from pagedllm.models.quantized_linear import Int4BlockMatmul, Int4Matmul, Int8BlockMatmul, Linear
+
+log = logging.getLogger(__name__)
 
 EXTENSION = CppExtension("pagedllm_decoder_stack", Path(__file__).parent / "csrc" / "decoder_stack_cpu.cpp",
                          "the C++ decoder stack", "running the layer loop in Python")
@@ -57,24 +60,34 @@ def describe_projection(module, linear: Linear):
                              linear.out_features)
 
 
+def _refused(why: str) -> None:
+    log.debug("the C++ decoder stack does not apply, the Python layer loop runs: %s", why)
+    return None
+
+
 def build_decoder_stack(model, backend):
     """A C++ ``DecoderStack`` over ``model``'s layers (as loaded, quantized and prepacked now) for
     ``backend``, or None where the Python loop has to run (see the module docstring)."""
-    if not isinstance(model.layer_ops, CpuLayerOps) or not getattr(backend, "fuses_rope", False):
-        return None
+    if not isinstance(model.layer_ops, CpuLayerOps):
+        return _refused("the layer ops are torch's, not the C++ ones")
+    if not getattr(backend, "fuses_rope", False):
+        return _refused(f"the {getattr(backend, 'name', backend)} attention backend has no fused C++ attention")
     attend = getattr(getattr(backend, "ops", None), "rope_store_attend_fn", None)
     if attend is None or model.rotary.cos.device.type != "cpu":
-        return None
+        return _refused("the attention extension hands no C++ function here (or the model is not on the CPU)")
     module = EXTENSION.load()
     if module is None:
-        return None
+        return _refused(f"the extension is unavailable: {EXTENSION.failure}")
     layers = []
-    for layer in model.layers:
+    for i, layer in enumerate(model.layers):
         attention, mlp = layer.self_attn, layer.mlp
-        parts = [describe_projection(module, p) for p in
-                 (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+        named = {"qkv_proj": attention.qkv_proj, "o_proj": attention.o_proj, "gate_up_proj": mlp.gate_up_proj,
+                 "down_proj": mlp.down_proj}
+        parts = [describe_projection(module, p) for p in named.values()]
         if any(p is None for p in parts):
-            return None
+            name, linear = next((n, lin) for (n, lin), p in zip(named.items(), parts, strict=True) if p is None)
+            kernel = type(linear.small_batch).__name__ if linear.small_batch is not None else "its dense layout"
+            return _refused(f"layer {i}'s {name} runs a kernel the stack does not know ({kernel})")
         ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
         layers.append(module.Layer(ln1.weight.detach(), ln1.eps, ln2.weight.detach(), ln2.eps, *parts))
     first = model.layers[0].self_attn

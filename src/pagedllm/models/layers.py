@@ -81,7 +81,7 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor, ops) -> torch.Tensor:
         """``ops.silu_mul`` (``layer_ops``) splits the fused gate/up rows."""
         projections = self._projections
-        if projections is None:
+        if projections is None:  # a GatedMLP used alone; in a model, finalize binds them
             projections = self._projections = (self.gate_up_proj, self.down_proj)
         gate_up, down = projections
         return down.forward(ops.silu_mul(gate_up.forward(x)))

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from pagedllm.attention.metadata import AttentionMetadata
-from pagedllm.config import ModelConfig
+from pagedllm.config import LAYER_LOOPS, ModelConfig
 from pagedllm.kvstore.spec import LayerKV
 from pagedllm.kvstore.storage import KVCacheStorage
 from pagedllm.models.decoder_stack import build_decoder_stack
@@ -44,14 +44,11 @@ class Attention(nn.Module):
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
 
-    _projections = None  # (qkv_proj, o_proj) as a plain tuple, bound on the first forward (see DecoderLayer)
+    _projections = None  # (qkv_proj, o_proj) as a plain tuple, bound by finalize (see DecoderLayer)
 
     def forward(self, x, positions, rotary: RotaryEmbedding, kv: LayerKV, meta, backend):
         t = x.shape[0]
-        projections = self._projections
-        if projections is None:
-            projections = self._projections = (self.qkv_proj, self.o_proj)
-        qkv_proj, o_proj = projections
+        qkv_proj, o_proj = self._projections
         qkv = qkv_proj.forward(x)
         if backend.fuses_rope:
             out = backend.rope_store_attend(qkv, rotary.cos, rotary.sin, positions, kv, meta, self.num_heads)
@@ -73,7 +70,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
 
-    _parts = None  # (ln1 weight, eps, attention, ln2 weight, eps, mlp), bound on the first forward
+    _parts = None  # (ln1 weight, eps, attention, ln2 weight, eps, mlp), bound by ``bind``
+
+    def bind(self) -> None:
+        """Read the final weights into plain tuples (see ``forward``)."""
+        ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
+        self._parts = (ln1.weight, ln1.eps, self.self_attn, ln2.weight, ln2.eps, self.mlp)
+        self.self_attn._projections = (self.self_attn.qkv_proj, self.self_attn.o_proj)
+        self.mlp._projections = (self.mlp.gate_up_proj, self.mlp.down_proj)
 
     def forward(self, x, residual, positions, rotary, kv: LayerKV, meta, backend, ops):
         """(layer input, residual before it) -> (MLP output, residual before it); norms fused with the adds.
@@ -81,12 +85,8 @@ class DecoderLayer(nn.Module):
         Submodules are called through ``.forward``: ``nn.Module.__call__`` costs microseconds per
         call, which at batch 1 adds up to a tenth of the step over 30 layers; for the same reason
         the parts are read from one plain tuple, not through ``nn.Module.__getattr__`` each step
-        (bound on the first forward, after the weights are loaded)."""
-        parts = self._parts
-        if parts is None:
-            ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
-            parts = self._parts = (ln1.weight, ln1.eps, self.self_attn, ln2.weight, ln2.eps, self.mlp)
-        w1, eps1, attention, w2, eps2, mlp = parts
+        (bound by ``bind`` when the model is finalised)."""
+        w1, eps1, attention, w2, eps2, mlp = self._parts
         h, residual = ops.add_rms_norm(x, residual, w1, eps1)
         h = attention.forward(h, positions, rotary, kv, meta, backend)
         h, residual = ops.add_rms_norm(h, residual, w2, eps2)
@@ -96,12 +96,16 @@ class DecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """The whole decoder: embeddings, layers, final norm, LM head.
 
+    Loading ends with ``finalize(backend, layer_loop)``, once the weights are final (loaded,
+    quantized, prepacked): it binds what every forward reads and builds the C++ decoder stack.
     ``layer_loop``: ``"auto"`` runs the layers in one C++ call where ``decoder_stack`` applies
-    (CPU, C++ layer ops and attention; bit-identical results), ``"python"`` always loops here."""
+    (CPU, C++ layer ops and attention; bit-identical results), ``"python"`` always loops here.
+    Changing the weights afterwards (``load_hf_state_dict``, ``use_gguf_quantized``,
+    ``prepack_weights``) undoes it: ``forward`` refuses to run until ``finalize`` is called again."""
 
     layer_loop = "auto"
-    _stack = None          # the C++ DecoderStack for _stack_backend (None: the Python loop runs)
-    _stack_backend = None  # the backend the stack was built for; False: not built since the weights changed
+    _stack = None            # the C++ DecoderStack for _finalized_for (None: the Python loop runs)
+    _finalized_for = None    # the backend finalize bound the model to; None: not since the weights changed
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, max_positions: int,
                  device: str | torch.device = "cpu", layer_ops=None) -> None:
@@ -120,7 +124,10 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv: KVCacheStorage, backend) -> torch.Tensor:
         """Hidden states [T, hidden] of the flat batch, after the final norm."""
-        stack = self.decoder_stack(backend)
+        if self._finalized_for is not backend:
+            raise RuntimeError("the model is not finalised for this attention backend: call finalize(backend) "
+                               "once its weights are final")
+        stack = self._stack
         if stack is not None:
             return stack.forward(self.embed_tokens(input_ids), positions, self.rotary.cos, self.rotary.sin,
                                  kv.layer_tensors, meta.slot_mapping, meta.query_start_loc, meta.seq_lens,
@@ -131,13 +138,20 @@ class LlamaForCausalLM(nn.Module):
             x, residual = layer.forward(x, residual, positions, self.rotary, layer_kv, meta, backend, ops)
         return ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)[0]
 
+    def finalize(self, backend, layer_loop: str = "auto") -> None:
+        """Bind the final weights for ``backend``: each layer's parts as plain tuples, and the C++
+        decoder stack where it applies and ``layer_loop`` is ``auto`` (``python``: the Python loop)."""
+        if layer_loop not in LAYER_LOOPS:
+            raise ValueError(f"layer_loop must be one of {LAYER_LOOPS}, got {layer_loop!r}")
+        for layer in self.layers:
+            layer.bind()
+        self.layer_loop = layer_loop
+        self._stack = build_decoder_stack(self, backend) if layer_loop == "auto" else None
+        self._finalized_for = backend
+
     def decoder_stack(self, backend):
-        """The C++ layer loop for ``backend`` (built on first use, after the weights are final), or None."""
-        if self.layer_loop != "auto":
-            return None
-        if self._stack_backend is not backend:
-            self._stack, self._stack_backend = build_decoder_stack(self, backend), backend
-        return self._stack
+        """The C++ layer loop ``finalize`` built for ``backend``, or None (the Python loop runs)."""
+        return self._stack if self._finalized_for is backend else None
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -151,7 +165,7 @@ class LlamaForCausalLM(nn.Module):
         their plain weights. A widened 1-row LM head without another small-batch kernel keeps a
         natively packed bf16 copy where the plan says so (``NativePackedMatmul``). Returns how many
         were changed. A tied head drops only its own reference: the embedding keeps the dense table."""
-        self._stack_backend = False  # the stack holds the kernels: rebuild it on the next forward
+        self._finalized_for = None  # the stack holds the kernels: finalize again
         if plan.compute == torch.float32 and self.dtype == torch.float32:
             return 0
         head = self.lm_head
@@ -176,7 +190,7 @@ class LlamaForCausalLM(nn.Module):
         4-bit kernel is ``int4_kernel`` or else the plan's (``"torch"`` without a plan)."""
         ops, attached = self.layer_ops, 0
         int4 = int4_kernel or ("torch" if plan is None else plan.int4_kernel)
-        self._stack_backend = False  # the stack holds the kernels: rebuild it on the next forward
+        self._finalized_for = None  # the stack holds the kernels: finalize again
 
         def attach(linear: Linear, names: list[str]) -> None:
             nonlocal attached
@@ -204,7 +218,7 @@ class LlamaForCausalLM(nn.Module):
     def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None:
         """Load HF-named weights (``model.layers.N.self_attn.q_proj.weight`` ...), fusing as we go."""
         cfg = self.config
-        self._stack_backend = False  # the stack holds the weights: rebuild it on the next forward
+        self._finalized_for = None  # the stack holds the weights: finalize again
         w = {k.removeprefix("model."): v for k, v in weights.items()}
         own: dict[str, torch.Tensor] = {"embed_tokens.weight": w.pop("embed_tokens.weight"),
                                         "norm.weight": w.pop("norm.weight")}

