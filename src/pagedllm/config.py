@@ -19,6 +19,8 @@ from typing import Annotated, Literal
 from pydantic import ByteSize, ConfigDict, Field, PlainValidator, TypeAdapter, ValidationError
 from pydantic.dataclasses import dataclass as pydantic_dataclass
 
+from pagedllm.errors import ConfigError
+
 DEFAULT_MAX_LOGPROBS = 20  # the most logprobs a request may ask for by default, as vLLM's max_logprobs
 
 MIN_BLOCK_SIZE = 8
@@ -172,6 +174,15 @@ def options_markdown() -> str:
     return "\n".join(rows) + "\n"
 
 
+def check_block_size(value) -> int:
+    """``value`` if the engine takes it as ``block_size`` (``CacheConfig``'s rule), else ``ConfigError``
+    with the engine's message; for tools that take a block size without building an engine."""
+    try:
+        return CacheConfig(block_size=value).block_size
+    except ValidationError as e:
+        raise ConfigError(describe_error(e)) from None
+
+
 def describe_error(error: ValidationError) -> str:
     """A pydantic error as one line per field: ``block_size: Input should be ... (got 7)``."""
     parts = []
@@ -201,18 +212,21 @@ class RopeScaling:
             raise ValueError(f"rope_scaling.factor must be positive, got {self.factor}")
 
 
-@dataclass(frozen=True)
+Dimension = Annotated[int, Field(gt=0)]
+
+
+@pydantic_dataclass(frozen=True, config=ConfigDict(extra="forbid"))
 class ModelConfig:
     """Shape of a Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2)."""
 
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    max_position_embeddings: int
+    vocab_size: Dimension
+    hidden_size: Dimension
+    intermediate_size: Dimension
+    num_layers: Dimension
+    num_heads: Dimension
+    num_kv_heads: Dimension
+    head_dim: Dimension
+    max_position_embeddings: Dimension
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling = field(default_factory=RopeScaling)
@@ -222,34 +236,24 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     architecture: str = "llama"
 
-    def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                     "num_kv_heads", "head_dim", "max_position_embeddings"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"ModelConfig.{name} must be positive, got {getattr(self, name)}")
+    def __post_init__(self) -> None:  # after pydantic's field checks
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"ModelConfig.num_heads ({self.num_heads}) must be a multiple of "
                 f"num_kv_heads ({self.num_kv_heads})")
 
 
-@dataclass(frozen=True)
+@pydantic_dataclass(frozen=True, config=ConfigDict(extra="forbid"))
 class EngineConfig:
-    """Everything an ``Engine`` needs besides the loaded weights."""
+    """Everything an ``Engine`` needs besides the loaded weights (options resolved: no ``auto``)."""
 
     model: ModelConfig
     cache: CacheConfig
     scheduler: SchedulerConfig
-    dtype: str = "float32"
+    dtype: Literal[SUPPORTED_DTYPES[1:]] = "float32"
     device: str = "cpu"
     seed: int = 0
-    quantization: str = "none"   # resolved: "none" or "gguf" (see build_engine for "auto")
-
-    def __post_init__(self) -> None:
-        if self.dtype not in SUPPORTED_DTYPES[1:]:
-            raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES[1:]}, got {self.dtype!r}")
-        if self.quantization not in QUANTIZATIONS[1:]:
-            raise ValueError(f"quantization must be one of {QUANTIZATIONS[1:]}, got {self.quantization!r}")
+    quantization: Literal[QUANTIZATIONS[1:]] = "none"  # resolved (see build_engine for "auto")
 
 
 if __name__ == "__main__":  # python -m pagedllm.config: the option table for docs/api.md

@@ -180,8 +180,7 @@ def matmul_dtype_for(cpu: CpuFeatures, dtype: torch.dtype) -> torch.dtype:
     """The dtype CPU GEMMs should compute in, on ``cpu``, for weights and activations stored in ``dtype``.
 
     Without native bf16/fp16 dot products, oneDNN's bf16 GEMM converts inside its inner loop and
-    runs 3-4x slower than float32 (measured on an AVX-512 Xeon without BF16: ~60 vs 200-270
-    GFLOP/s at 64-512 rows, docs/benchmarks.md). Products of bf16 or fp16 values are exact in
+    runs several times slower than float32 (figures: docs/design.md). Products of bf16 or fp16 values are exact in
     float32, so computing there and rounding the result once is what a native kernel does too,
     up to the order of the float32 sum."""
     if dtype == torch.bfloat16 and not cpu.native_bf16:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from pagedllm import LLM
 from pagedllm.config import CacheConfig, SchedulerConfig
 from pagedllm.sim.engine_replay import replay
@@ -111,3 +113,13 @@ def test_calibration_fit_recovers_the_rates_that_made_the_samples():
     # a term that only hurts the fit (negative) is dropped, not kept at a negative rate
     noisy = [(f, b, n, f / 150e9 + 8e-4 * n - b * 1e-12) for f, b, n, _ in samples]
     assert fit(noisy, get_device("this-cpu")).bandwidth == 1e30
+
+
+@pytest.mark.parametrize("block_size", ["0", "7", "129"])
+def test_simulate_takes_the_engines_block_size_rule(block_size, capsys):
+    """A block size the engine refuses is refused by the simulator with the engine's message (it
+    divided by zero at 0 before)."""
+    from pagedllm.cli import main
+
+    assert main(["simulate", "--block-size", block_size, "--num-requests", "3", "--no-progress"]) == 2
+    assert "pagedllm: error: block_size: Input should be" in capsys.readouterr().err

@@ -96,3 +96,29 @@ def test_a_bad_kv_cache_memory_gets_one_precise_message(bad, message):
         build_engine(kv_cache_memory=bad)
     text = str(info.value)
     assert text.count("kv_cache_memory") == 1 and "constrained" not in text and "function-after" not in text
+
+
+def test_the_remaining_configs_are_validated_by_pydantic_naming_the_field():
+    from pydantic import ValidationError
+
+    from pagedllm.config import EngineConfig, ModelConfig, SchedulerConfig
+    from pagedllm.server.limits import ServerLimits
+
+    shape = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                 head_dim=16, max_position_embeddings=512)
+    with pytest.raises(ValidationError, match="vocab_size"):
+        ModelConfig(**{**shape, "vocab_size": 0})
+    with pytest.raises(ValidationError, match="must be a multiple of num_kv_heads"):
+        ModelConfig(**{**shape, "num_kv_heads": 3})
+    model = ModelConfig(**shape)
+    with pytest.raises(ValidationError, match="dtype"):
+        EngineConfig(model=model, cache=CacheConfig(), scheduler=SchedulerConfig(), dtype="auto")  # unresolved
+    with pytest.raises(ValidationError, match="quantization"):
+        EngineConfig(model=model, cache=CacheConfig(), scheduler=SchedulerConfig(), quantization="auto")
+    with pytest.raises(ValidationError, match="max_stop"):
+        ServerLimits(max_stop=-1)
+    with pytest.raises(ValidationError, match="header_timeout_s"):
+        ServerLimits(header_timeout_s=0)
+    with pytest.raises(ValidationError, match="max_prompt_bytes"):
+        ServerLimits(max_prompt_bytes=True)  # strict: a bool is not a byte count
+    assert ServerLimits(max_prompt_bytes=None).max_stop == 64

@@ -6,6 +6,7 @@ the whole context back through the block table, so a wrong slot or block table c
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -13,6 +14,7 @@ from pagedllm.config import SchedulerConfig
 from pagedllm.engine.request import Request, RequestStatus
 from pagedllm.engine.sampling_params import SamplingParams
 from pagedllm.engine.scheduler import Scheduler, SchedulerOutput
+from pagedllm.errors import RequestTooLong
 from pagedllm.kvcache import KVCacheManager
 from pagedllm.kvcache.eviction import POLICIES
 
@@ -263,3 +265,35 @@ def test_a_prompt_is_admitted_only_when_the_pool_holds_all_of_it():
     assert sched.kv.num_preemptions == 0
     assert admitted[:3] == [["a"], ["a"], ["a"]]  # b waits: 6 blocks of prompt, 4 free while a prefills
     assert sched.kv.num_free_blocks == sched.kv.num_blocks
+
+
+def test_observers_see_every_step_and_the_stall_and_admission_rules_are_the_schedulers():
+    sched, model = make(num_blocks=4, block_size=8, max_model_len=64)
+    seen: list[SchedulerOutput] = []
+    sched.observers.append(seen.append)
+    sched.add(req("a", 10, 3))
+    outs = [sched.schedule() for _ in range(2)]
+    assert seen == outs and all(o is s for o, s in zip(outs, seen, strict=True))
+    sched.observers.remove(seen.append)
+    sched.schedule()
+    assert len(seen) == 2
+    # the admission rule the engine and the simulator share
+    assert sched.check_admissible(10, 20) == 20
+    with pytest.raises(RequestTooLong, match="must be shorter than max_model_len"):
+        sched.check_admissible(64, 1)
+    with pytest.raises(RequestTooLong, match="more than the whole pool"):
+        sched.check_admissible(10, 30)  # 40 tokens need 5 blocks of 8; the pool has 4
+    # two empty steps in a row with a request unfinished: stalled
+    stuck, _ = make(num_blocks=1, block_size=8, max_model_len=64)
+    stuck.add(req("b", 20, 1))  # its prompt needs 3 blocks: it can never be admitted
+    assert stuck.schedule().is_empty and not stuck.stalled
+    assert stuck.schedule().is_empty and stuck.stalled
+
+
+def test_one_slot_rule_for_tables_and_the_runner():
+    from pagedllm.kvcache.block_table import slot_mapping
+
+    assert slot_mapping([7, 2], 4, 2, 7) == [30, 31, 8, 9, 10]
+    kv = KVCacheManager(8, 4)
+    assert kv.allocate_slots("r", 7)
+    assert kv.tables["r"].slots(2, 7) == slot_mapping(kv.block_ids("r"), 4, 2, 7)

@@ -23,10 +23,8 @@ EXTENSION = CppExtension("pagedllm_cpu", Path(__file__).parent / "csrc" / "paged
 
 
 # Fresh bf16 prefills (no cached prefix) of at least this many rows attend through torch's SDPA
-# (its flash-attention kernel: bf16 GEMMs on AMX tiles) on AMX CPUs. Measured on a 2-core AMX Xeon
-# (session 12, docs/benchmarks.md; `scripts/prefill_attention_ab.py ab 0 64 128 512`): prompt
-# tok/s at 1x1024 3062 / 3182 with our kernel, 4154 / 4069 with this path from 128 rows; 8x1024
-# 3164 / 3135 -> 3897 / 3505 (from 64 rows: 4175 / 3965). Elsewhere unmeasured, so never (0).
+# (its flash-attention kernel: bf16 GEMMs on AMX tiles) on AMX CPUs; elsewhere unmeasured, so never
+# (0). The figures: docs/design.md, "Figures behind the code's choices".
 DENSE_PREFILL_MIN_ROWS = {"amx": 128}
 
 

@@ -18,6 +18,7 @@ from pagedllm.engine.request import Request
 from pagedllm.engine.sampler import Sampler, TokenLogprobs, logprobs_of
 from pagedllm.engine.scheduler import ScheduledChunk, SchedulerOutput
 from pagedllm.engine.structured_output import GrammarBitmask
+from pagedllm.kvcache.block_table import slot_mapping
 from pagedllm.kvstore.host_tier import HostTier
 from pagedllm.kvstore.storage import KVCacheStorage
 from pagedllm.models.llama import LlamaForCausalLM
@@ -50,8 +51,7 @@ def build_metadata(chunks: list[ScheduledChunk], block_size: int, device: torch.
         input_ids.extend(c.token_ids)
         start, end = c.start_pos, c.seq_len
         positions.extend(range(start, end))
-        ids = c.block_ids
-        slots.extend(ids[p // block_size] * block_size + p % block_size for p in range(start, end))
+        slots.extend(slot_mapping(c.block_ids, block_size, start, end))
         qsl.append(len(input_ids))
         seq_lens.append(end)
     max_blocks = max(len(c.block_ids) for c in chunks)

@@ -36,9 +36,8 @@ class TokenLogprobs:
 
 def row_argmax(x: torch.Tensor) -> list[int]:
     """Each row's first index of its largest value, as ``argmax(dim=-1)`` (both take the first
-    index of a tie), through ``max``, whose reduction ran 2.5-3x faster on an AMX Xeon with torch's
-    AVX-512 and its AVX2 kernels alike (SmolLM2's 49,152 logits: 0.77-0.85 against 2.0-2.1 ms at 64
-    rows; ``scripts/argmax_ab.py``; not measured on an AMD CPU)."""
+    index of a tie), through ``max``, whose reduction is faster than ``argmax``'s on the CPUs
+    measured (docs/design.md, "Figures behind the code's choices")."""
     return x.max(dim=-1).indices.tolist()
 
 
@@ -47,10 +46,8 @@ def draw(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> l
     ``U`` uniform from the row's generator. The race, unlike inverse transform sampling, keeps its
     pick when the probabilities move by rounding (a recomputed prefix, another batch shape): the
     leader changes only if another token's ratio overtakes it, not whenever a cumulative sum crosses
-    ``U``. ``uniform_`` and one batched ``log_`` cost a third of ``exponential_``, which drew the
-    noise before (``scripts/sampler_ab.py --draw``: 0.34 against 1.32 ms a draw at batch 1 for
-    SmolLM2's 49,152 tokens, 15.0 against 45.7 ms at batch 32, on an AVX-512 Xeon). A ``U`` of
-    exactly 0 gives ``E = inf``: that token loses."""
+    ``U``. ``uniform_`` and one batched ``log_`` cost less than ``exponential_``, which drew the
+    noise before (figures: docs/design.md). A ``U`` of exactly 0 gives ``E = inf``: that token loses."""
     noise = torch.empty_like(probs)
     for j, g in enumerate(generators):
         noise[j].uniform_(generator=g)

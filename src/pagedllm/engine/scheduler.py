@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pagedllm.config import SchedulerConfig
@@ -81,6 +82,7 @@ class Scheduler:
         self.swapped: list[Request] = []  # preempted by swap, oldest arrival first
         self.requests: dict[str, Request] = {}
         self.empty_steps = 0  # consecutive steps that scheduled nothing while requests were unfinished
+        self.observers: list[Callable[[SchedulerOutput], None]] = []  # told each step's output (engine replay)
 
     # -- admission -------------------------------------------------------------------------
     def add(self, request: Request, forks: list[Request] = ()) -> None:
@@ -133,6 +135,8 @@ class Scheduler:
         """The next step's work; counts the steps in a row that scheduled nothing (``stalled``)."""
         out = self._schedule()
         self.empty_steps = self.empty_steps + 1 if out.is_empty and self.has_unfinished() else 0
+        for observe in self.observers:
+            observe(out)
         return out
 
     def _schedule(self) -> SchedulerOutput:

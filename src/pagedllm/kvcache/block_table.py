@@ -10,6 +10,12 @@ from __future__ import annotations
 from pagedllm.kvcache.block import Block
 
 
+def slot_mapping(block_ids: list[int], block_size: int, start: int, end: int) -> list[int]:
+    """The KV slots of positions ``start..end-1`` of a sequence holding ``block_ids``: the one rule
+    (``block_id * block_size + offset``) that the tables and the model runner's metadata share."""
+    return [block_ids[p // block_size] * block_size + p % block_size for p in range(start, end)]
+
+
 class BlockTable:
     """Logical -> physical block ids of one request, and its number of reserved slots."""
 
@@ -47,6 +53,4 @@ class BlockTable:
 
     def slots(self, start: int, end: int) -> list[int]:
         """Slots of positions ``start..end-1``."""
-        bs = self.block_size
-        ids = self._ids
-        return [ids[p // bs] * bs + p % bs for p in range(start, end)]
+        return slot_mapping(self._ids, self.block_size, start, end)

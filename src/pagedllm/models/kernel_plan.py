@@ -6,55 +6,25 @@ few rows (``quantized_linear``). ``plan_kernels`` decides, from what the CPU has
 trying and catching:
 
 - ``compute``: the dtype the dense GEMMs run in (``cpu_features.matmul_dtype``): float32 for a
-  bf16/fp16 model on a CPU without native bf16/fp16 dot products (3-4x faster than oneDNN's
+  bf16/fp16 model on a CPU without native bf16/fp16 dot products (faster than oneDNN's
   emulated bf16 GEMM there);
 - ``pack``: whether the dense weights are kept in oneDNN's blocked layout (only where oneDNN packs
   that dtype on this CPU; float32 models keep MKL's sgemm on the plain weight, as HF does);
 - ``dense_kernel``: ``onednn`` (the above), or ``panels``: on the AVX2 family a widened model's
-  float32 weights are kept as panels for our own GEMM (``csrc/panel_gemm.h``), 1.2-1.5x oneDNN's
-  float32 rate there from 32 rows (session 15 figures below);
+  float32 weights are kept as panels for our own GEMM (``csrc/panel_gemm.h``), faster than oneDNN's
+  float32 GEMM there from 16 rows;
 - ``int4_rows`` / ``q8_0_rows``: up to how many rows the 4-bit and Q8_0 kernels beat the dense
   GEMM, per family (measured with ``pagedllm bench matmul``; docs/benchmarks.md);
 - ``head``: what a 1-row LM head runs where the Q8_0 kernel does not: the bf16 weight packed
   natively (AVX-512 without BF16: half float32's bytes), else the dense kernel.
 
-The crossovers, measured with weights streaming from DRAM as in the engine:
-AVX-512 with BF16 (bf16 GEMMs): 4-bit and Q8_0 up to 8 rows (decode at batch 2/4/8 1.76x /
-1.37x / 1.05x faster than the prepacked bf16 weights). AMX (Xeon with AMX-BF16, 2 cores, session
-12), a bf16 model: the 4-bit kernel at 1 row only and never the Q8_0 head. ``bench matmul``: per
-layer 0.097 (4-bit) vs 0.118 ms (packed bf16) at 1 row, 0.118 vs 0.122 at 2, 0.311 vs 0.129 at
-8; the head 6.4 ms (Q8_0) vs 1.26 (packed bf16) at 1 row. ``scripts/int4_kernel_ab.py torch ROWS
-BATCH Q8_ROWS``, ms per step, two rounds: batch 1 13.8 / 13.6 with (8, 8) against 8.8 / 8.7 with
-(1, 0); batch 8 68.0 / 67.5 against 22.0 / 21.9. (A float32 model there keeps (8, 8): unmeasured.)
-There ``step_tokens`` is 2,048, not 1,024: oneDNN's AMX bf16 GEMM (``brg_matmul:avx10_1_512_amx``)
-runs the down projection (K 1,536, N 576) at 1.2-1.5 TF/s from 512 to 1,280 rows and 2.5-2.7 from
-2,048, and qkv (K 576, N 960) at 1.4 for 768-1,024 rows against 2.6-3.0 at 1,040 and above (two
-rounds of ``scripts/gemm_rows.py``, session 13); an 8x1024 prefill's GEMMs took 1.07 ms a call
-in 1,024-token steps against 0.72-0.82 per 1,024 rows in 4,096-token ones (two runs)
-(``scripts/step_budget_ab.py profile 1024`` / ``4096``). ``scripts/step_budget_ab.py
-1024,2048,4096`` (one process, budgets alternating; two rounds, tok/s, 1,024 / 2,048 / 4,096):
-prefill 32x128 4495, 3845 / 5621, 5679 / 5810, 5869; 8x1024 3187, 3796 / 4200, 4486 / 4239, 4278;
-decode x64 835, 850 / 887, 899 / 906, 871; x8 323, 346 / 336, 355 / 340, 365. 2,048 is vLLM's
-server default on CPU (its offline one is 4,096): a step's length, so the longest pause a running
-stream sees while others prefill, doubles, not quadruples.
-AVX-512 without BF16 (float32 GEMMs): the
-4-bit kernel up to 16 rows (34 vs 41 ms at 16, 80 vs 60 ms at 32 over 30 layers), the Q8_0 head
-never (8.9 vs 6.8 ms at 1 row) but the natively packed bf16 head at 1 row (4.6 vs 6.2 ms).
-AVX2 without AVX-512 (float32 GEMMs; AMD EPYC 7B13, 2 cores): our C++ 4-bit kernel
-(``int4_kernel="cpp"``) up to 16 rows. Per layer, hot, it takes 0.31 / 0.98 / 1.76 ms at 1 / 8 /
-16 rows; torch's takes 0.34 / 1.24 / 2.41 and the packed float32 GEMM 0.74 / 1.02 / 1.48. In the
-engine the float32 weights stream 4x the bytes: a batch-16 step takes 87-88 ms with the 4-bit
-kernel against 94-123 ms dense, and batch 32 is even (168-186 ms either way). With torch's
-kernel the crossover was 8 rows. The Q8_0 head runs up to 16 rows (2.6 vs 9.8 ms at 1 row, 6.7 vs
-12.5 at 8). oneDNN packs no bf16 there. A float32 model there never runs the 4-bit kernel: with
-float32 activations torch's int4 matmul is 7x slower than the dense GEMM. Ours takes float32
-activations as they are, but that path is untimed in the engine.
-The AVX2 panel GEMM (same EPYC, session 15, ``pagedllm bench matmul --rows 16,32,64,1024``, hot
-weights, ms per layer): 0.81 vs oneDNN's prepacked float32 1.27 at 16 rows, 1.66 vs 2.08 at 32,
-2.7 vs 3.4 at 64, 42.7 vs 47-50 at 1,024 (docs/benchmarks.md, "AVX2, session 15"). It is not used for float32
-models (they keep MKL's sgemm on the plain weight, as HF does) nor on AVX-512, where oneDNN's
-float32 GEMM has 512-bit kernels (unmeasured against panels).
-The float32 crossovers on AVX-512 (8 rows) are those of the first engine, not re-measured.
+The crossovers and budgets per family (the figures that chose them, with machines and commands:
+docs/design.md, "Figures behind the code's choices"): AVX-512 with BF16: 4-bit and Q8_0 up to 8
+rows. AMX: a bf16 model runs the 4-bit kernel at 1 row only and never the Q8_0 head;
+``step_tokens`` 2,048. AVX-512 without BF16: the 4-bit kernel up to 16 rows, the natively packed
+bf16 head at 1 row. AVX2 without AVX-512: our C++ 4-bit kernel and the Q8_0 head up to 16 rows,
+the panel GEMM for widened models; a float32 model never runs the 4-bit kernel. The float32
+crossovers on AVX-512 (8 rows) are those of the first engine, not re-measured.
 """
 
 from __future__ import annotations

@@ -66,9 +66,8 @@ def resolve_dtype(dtype: str, device: str) -> str:
     bfloat16 is the faster choice on every x86 family measured, native bf16 or not: without
     bf16 dot products its GEMMs compute in float32 anyway (``kernel_plan``), while its KV cache,
     attention and activations move half the bytes, and it runs the GGUF's 4/8-bit kernels for small
-    steps (``resolve_quantization``). On an AVX2-only EPYC, 128-token prompts and 128 greedy tokens:
-    47.9 / 92.8 / 95.8 output tok/s at 1 / 8 / 32 requests against float32's 12.9 / 45.4 / 72.7
-    (docs/benchmarks.md). Elsewhere (Arm, x86 without AVX2) nothing has been measured: float32."""
+    steps (``resolve_quantization``). Elsewhere (Arm, x86 without AVX2) nothing has been measured:
+    float32. The figures: docs/design.md, "Figures behind the code's choices"."""
     if dtype != "auto":
         return dtype
     if device.startswith("cuda"):

@@ -10,7 +10,7 @@ also a weight-only quantized kernel that it uses for steps of at most ``max_rows
   it computes ``(q - 8) * scale + zero`` per group, so ``zero = minimum + 8 * scale`` reproduces
   ``scale * q + minimum`` (exact in float32; scale and zero are rounded to the activation dtype);
   or, where the kernel plan says so (AVX2), on the C++ ``q4_linear`` (float32 maths, exact GGUF
-  weights), faster than torch's there (per layer 0.305 vs 0.342 ms at 1 row, 0.98 vs 1.24 at 8).
+  weights), faster than torch's there (figures: docs/design.md).
 - 8-bit blocks (Q8_0) run on the C++ ``q8_0_linear`` (float32 maths, exact GGUF weights).
 
 Both copies hold the same GGUF weights, so the two paths differ only by rounding, like two GEMM
@@ -94,7 +94,7 @@ class Int8BlockMatmul:
 
 class NativePackedMatmul:
     """x [M, K] @ W^T through oneDNN in the weight's own dtype (no widening): for a single row, where
-    reading half the bytes beats float32's faster arithmetic (the LM head at 1 row: 4.6 vs 6.2 ms)."""
+    reading half the bytes beats float32's faster arithmetic (figures: docs/design.md)."""
 
     def __init__(self, packed: torch.Tensor) -> None:
         self.packed = packed

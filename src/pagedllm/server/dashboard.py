@@ -16,12 +16,9 @@ Relations to ``/metrics`` at the same step: ``free + cached == num_free_blocks``
 a prefix-cache entry, in use or not). The contiguous layout has no prefix cache: its blocks are
 free or used.
 
-Cost of ``dashboard_state`` on the engine thread (``scripts/dashboard_cost.py``, this 2-core
-machine under load from other jobs, medians of 30 runs over three runs; pool full: a quarter of
-the blocks shared by four tables, half used, a quarter cached): 1,456 blocks (SmolLM2's default
-pool) 0.26-0.49 ms; 65,536 blocks 10-14 ms; 65,536 idle blocks 0.25 ms. The work is proportional
-to the blocks held in tables plus the cached ones, not to the pool size. Encoding the JSON (718 KiB
-for 65,536 full blocks, 14-18 ms) happens on the event loop, not the engine thread.
+Its cost on the engine thread is proportional to the blocks held in tables plus the cached ones,
+not to the pool size; encoding the JSON happens on the event loop (figures: docs/design.md,
+"Figures behind the code's choices").
 """
 
 from __future__ import annotations

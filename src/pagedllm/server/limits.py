@@ -17,29 +17,24 @@ done on it, and how long a client may take to send it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import Annotated
+
+from pydantic import ConfigDict, Field
+from pydantic.dataclasses import dataclass as pydantic_dataclass
+
+Positive = Annotated[int, Field(strict=True, ge=1)]
+AtLeastZero = Annotated[int, Field(strict=True, ge=0)]
+Seconds = Annotated[float, Field(gt=0)]
 
 
-@dataclass(frozen=True)
+@pydantic_dataclass(frozen=True, config=ConfigDict(extra="forbid"))
 class ServerLimits:
-    max_prompt_bytes: int | None = None
-    max_logit_bias: int = 1024
-    max_stop: int = 64
-    max_stop_chars: int = 1024
-    default_chat_max_tokens: int | None = None
-    header_timeout_s: float = 10.0
-    body_timeout_s: float = 30.0
+    max_prompt_bytes: Positive | None = None
+    max_logit_bias: AtLeastZero = 1024
+    max_stop: AtLeastZero = 64
+    max_stop_chars: AtLeastZero = 1024
+    default_chat_max_tokens: Positive | None = None
+    header_timeout_s: Seconds = 10.0
+    body_timeout_s: Seconds = 30.0
 
-    def __post_init__(self) -> None:
-        for name in ("max_prompt_bytes", "default_chat_max_tokens"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
-        for name in ("max_logit_bias", "max_stop", "max_stop_chars"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
-        for name in ("header_timeout_s", "body_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
 

@@ -15,11 +15,14 @@ import threading
 from pathlib import Path
 
 import uvicorn
+from pydantic import ValidationError
 
 from pagedllm.cli_args import add_option_args, engine_options
+from pagedllm.config import describe_error
 from pagedllm.engine.async_engine import AsyncEngine
 from pagedllm.engine.builder import build_engine
 from pagedllm.engine.engine import Engine
+from pagedllm.errors import ConfigError
 from pagedllm.server.app import build_app
 from pagedllm.server.limits import ServerLimits
 from pagedllm.server.metrics import ServerMetrics
@@ -169,9 +172,12 @@ def main(args) -> int:
         if options.get("model") not in (None, args.model_path):
             raise ValueError("give the model once: as MODEL or as --model")
         options["model"] = args.model_path
-    limits = ServerLimits(max_prompt_bytes=args.max_prompt_bytes, max_logit_bias=args.max_logit_bias,
-                          max_stop=args.max_stop, default_chat_max_tokens=args.default_chat_max_tokens,
-                          header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout)
+    try:
+        limits = ServerLimits(max_prompt_bytes=args.max_prompt_bytes, max_logit_bias=args.max_logit_bias,
+                              max_stop=args.max_stop, default_chat_max_tokens=args.default_chat_max_tokens,
+                              header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout)
+    except ValidationError as e:
+        raise ConfigError(describe_error(e)) from None
     return serve(options, host=args.host, port=args.port, api_keys=tuple(args.api_key or ()),
                  served_model_name=args.served_model_name, max_queue=args.max_queue,
                  max_body_bytes=args.max_body_bytes, uvicorn_log_level=args.uvicorn_log_level, limits=limits,

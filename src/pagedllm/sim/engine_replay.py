@@ -44,14 +44,7 @@ def replay(engine, trace: list[TraceRequest], time_scale: float = 1.0, progress=
     finish_order: list[str] = []
     errors: dict[str, str] = {}
     captured = []
-    schedule = engine.scheduler.schedule
-
-    def capture():
-        out = schedule()
-        captured.append(out)
-        return out
-
-    engine.scheduler.schedule = capture
+    engine.scheduler.observers.append(captured.append)  # each step's SchedulerOutput, as it is made
     start = time.monotonic()
     try:
         while pending or engine.has_unfinished():
@@ -101,7 +94,7 @@ def replay(engine, trace: list[TraceRequest], time_scale: float = 1.0, progress=
             chunks, tokens = (len(out.chunks), out.num_batched_tokens) if out is not None else (0, 0)
             steps.append(StepSample(t1 - start, t1 - t0, chunks, tokens, st["num_used_blocks"], st["fragmentation"]))
     finally:
-        engine.scheduler.schedule = schedule
+        engine.scheduler.observers.remove(captured.append)
     stats = kv.stats()
     stats.update({k: stats[k] - before[k] for k in COUNTERS})
     stats["errors"] = errors

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from pagedllm.cli_args import add_shape_presets, add_trace_source
-from pagedllm.config import CacheConfig
+from pagedllm.config import CacheConfig, check_block_size
 from pagedllm.sim.inputs import setup
 from pagedllm.sim.mission import CLAIMED_SETUP, cost_per_m_tokens, format_table
 from pagedllm.sim.simulator import SimulationResult, simulate
@@ -105,6 +105,7 @@ def plot(results: dict[str, SimulationResult], folder: Path, report: dict) -> No
 
 
 def main(args) -> dict:
+    check_block_size(args.block_size)  # the engine's rule and message, before any arithmetic on it
     if args.calibrate:
         from pagedllm.sim import calibrate
 
