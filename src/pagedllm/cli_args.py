@@ -55,22 +55,6 @@ def engine_options(args) -> dict:
     return {name: getattr(args, name) for name in option_fields() if hasattr(args, name)}
 
 
-def add_sampling_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=128)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=-1)
-    g.add_argument("--sampling-seed", type=int, default=None)
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--presence-penalty", type=float, default=0.0)
-    g.add_argument("--frequency-penalty", type=float, default=0.0)
-    g.add_argument("--repetition-penalty", type=float, default=1.0)
-    g.add_argument("--min-tokens", type=int, default=0)
-    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    g.add_argument("--ignore-eos", action="store_true")
-
-
 def add_trace_source(p: argparse.ArgumentParser, workload: str = "sharegpt", num_requests: int = 1000,
                      seed: bool = True) -> None:
     """``--trace FILE``, or a generated ``--workload`` with ``--num-requests``, ``--rate`` (and ``--seed``)."""

@@ -7,7 +7,7 @@ instruction set this CPU lacks: ``build_record.why_unusable``). Otherwise it com
 source with ``torch.utils.cpp_extension.load`` into ``<cache>/kernels/<key>``, the key covering
 everything the record holds (``build_record.cache_key``), after one line on stderr; with
 ``PAGEDLLM_NO_BUILD=1`` it does not compile, but still imports a build already in the cache
-(``python -m pagedllm.cpu_extension --build`` makes them: ``make test CPU_FAMILY=...``). A build
+(``python -m pagedllm.extensions --build`` makes them: ``make test CPU_FAMILY=...``). A build
 that cannot be had (no compiler, no ninja, builds turned off) is remembered: callers get ``None``
 plus the reason, logged once per extension.
 """

@@ -1,7 +1,7 @@
 """The interface every attention backend implements (reference, cpu, triton).
 
 A backend reads and writes one layer's KV as a ``LayerKV`` (``kvstore/spec.py``): K, V and,
-where the KV format has them, their scales. ``kv_formats`` says which formats a backend reads;
+where the KV format has them, their scales. ``scale_layouts`` says which formats a backend reads;
 the engine asks ``check_kv_spec`` before it allocates the pool, so a format a backend cannot
 read is refused when the engine is built, never met in a step.
 """

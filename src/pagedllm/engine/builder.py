@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import functools
 import gc
 import time
 
@@ -19,6 +20,8 @@ import torch
 from pydantic import ValidationError
 
 from pagedllm import cpu_features
+from pagedllm.attention.backends import get_backend
+from pagedllm.attention.cpu_kernel import load_cpu_kernel
 from pagedllm.config import DEFAULT_STEP_TOKENS, EngineConfig, EngineOptions, describe_error
 from pagedllm.dtypes import torch_dtype
 from pagedllm.engine.engine import Engine
@@ -48,7 +51,8 @@ def build_engine(options: EngineOptions | None = None, **overrides) -> Engine:
         cache = dataclasses.replace(cache, enable_prefix_caching=False)
     layer_ops = get_layer_ops(device)  # may compile C++ on first use: not part of the load time
     if isinstance(layer_ops, CpuLayerOps):
-        decoder_stack.EXTENSION.load()  # the same, for the C++ layer loop the model builds on its first step
+        decoder_stack.EXTENSION.load()  # the same, for the C++ layer loop finalize builds
+        load_cpu_kernel()  # and the C++ attention kernel
     t0 = time.perf_counter()
     path = resolve_model_path(options.model)
     weights = load_weights(path)
@@ -75,14 +79,14 @@ def build_engine(options: EngineOptions | None = None, **overrides) -> Engine:
         net = model_class(mcfg.architecture)(mcfg, torch_dtype(config.dtype), max_model_len, device=device,
                                              layer_ops=layer_ops)
     net.load_hf_state_dict(weights.state_dict)
-    QUANTIZATION_METHODS[config.quantization].apply(net, weights, plan)
-    if plan is not None:
-        net.prepack_weights(plan)
     net.eval()
+    backend = get_backend(options.attention_backend, device, mcfg.head_dim)
+    quantize = functools.partial(QUANTIZATION_METHODS[config.quantization].apply, weights=weights, plan=plan)
+    net.finalize(backend, options.layer_loop, plan=plan, quantize=quantize)  # the end of loading
     del weights
     tokenizer = Tokenizer.load(path, path.suffix == ".gguf")
-    load_seconds = time.perf_counter() - t0  # weights + tokenizer; not the kernel build
-    engine = Engine(config, net, tokenizer, options.attention_backend, options.layer_loop)
+    load_seconds = time.perf_counter() - t0  # weights + tokenizer; not the kernel builds
+    engine = Engine(config, net, tokenizer, backend)
     engine.load_seconds = load_seconds
     engine.kernel_plan = plan
     engine.model_path = path

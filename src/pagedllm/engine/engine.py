@@ -17,7 +17,7 @@ import time
 import torch
 
 from pagedllm import cpu_features
-from pagedllm.attention.backends import get_backend
+from pagedllm.attention.base import AttentionBackend
 from pagedllm.config import EngineConfig
 from pagedllm.dtypes import torch_dtype
 from pagedllm.engine.beam_search import BeamGroup, BeamSearchParams
@@ -51,15 +51,14 @@ class Engine:
     """Continuous-batching inference engine over a paged KV cache."""
 
     def __init__(self, config: EngineConfig, model: LlamaForCausalLM, tokenizer: Tokenizer | None,
-                 attention_backend: str = "auto", layer_loop: str = "auto") -> None:
+                 backend: AttentionBackend) -> None:
+        """``model`` finalised for ``backend`` (``LlamaForCausalLM.finalize``; ``build_engine`` does both)."""
         self.config = config
         self.tokenizer = tokenizer
         dtype = torch_dtype(config.dtype)
         cc = config.cache
         spec = KVSpec.for_model(config.model, cc.block_size, dtype)
-        backend = get_backend(attention_backend, config.device, config.model.head_dim)
         backend.check_kv_spec(spec, dtype)
-        model.finalize(backend, layer_loop)  # the weights are final: bind them, build the C++ stack
         num_blocks = num_blocks_for(spec, cc, config.device)
         swapping = config.scheduler.preemption_mode == "swap" and cc.kv_layout == "paged"
         num_host_blocks = cc.swap_space // spec.bytes_per_block if swapping else 0

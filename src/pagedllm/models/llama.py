@@ -138,11 +138,18 @@ class LlamaForCausalLM(nn.Module):
             x, residual = layer.forward(x, residual, positions, self.rotary, layer_kv, meta, backend, ops)
         return ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)[0]
 
-    def finalize(self, backend, layer_loop: str = "auto") -> None:
-        """Bind the final weights for ``backend``: each layer's parts as plain tuples, and the C++
-        decoder stack where it applies and ``layer_loop`` is ``auto`` (``python``: the Python loop)."""
+    def finalize(self, backend, layer_loop: str = "auto", *, plan: KernelPlan | None = None, quantize=None) -> None:
+        """The end of loading, once: ``quantize(self)`` attaches the quantized kernels (the
+        quantization method's), ``plan`` gives the dense layouts (``prepack_weights``), then the final
+        weights are bound for ``backend``: each layer's parts as plain tuples, and the C++ decoder
+        stack where it applies and ``layer_loop`` is ``auto`` (``python``: the Python loop). Called
+        again without ``plan`` and ``quantize``, it only binds (after a test changed a kernel)."""
         if layer_loop not in LAYER_LOOPS:
             raise ValueError(f"layer_loop must be one of {LAYER_LOOPS}, got {layer_loop!r}")
+        if quantize is not None:
+            quantize(self)
+        if plan is not None:
+            self.prepack_weights(plan)
         for layer in self.layers:
             layer.bind()
         self.layer_loop = layer_loop
