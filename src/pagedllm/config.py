@@ -30,6 +30,7 @@ DEFAULT_STEP_TOKENS = 1024  # max_num_batched_tokens where no CPU family measure
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # the one dtype table: names and element sizes
 SUPPORTED_DTYPES = ("auto", *DTYPE_BYTES)
 ATTENTION_BACKENDS = ("auto", "cpu", "triton", "reference")
+KV_SCALE_LAYOUTS = ("none", "per_block_head")  # KV formats' scales (kvstore/spec.py): none, or per block and KV head
 LAYER_LOOPS = ("auto", "python")  # who runs the decoder layers: the C++ stack where it applies, or Python
 EVICTION_POLICIES = ("lru", "lfu", "lru-lfu", "size-weighted")  # kvcache/eviction.py
 HASH_ALGOS = ("xxh3_128", "sha256")  # prefix-cache block hashes (kvcache/hashing.py)

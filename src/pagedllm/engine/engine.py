@@ -246,6 +246,15 @@ class Engine:
 
     # -- what the server, the metrics and the dashboard read (on the engine thread where noted) ----
     @property
+    def kv_spec(self) -> KVSpec:
+        """The KV format of the pool."""
+        return self.runner.kv.spec
+
+    @property
+    def attention_backend(self) -> str:
+        return self.runner.backend.name
+
+    @property
     def max_model_len(self) -> int:
         return self.config.scheduler.max_model_len
 

@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagedllm.config import KV_SCALE_LAYOUTS as SCALE_LAYOUTS
 from pagedllm.config import ModelConfig
 
-SCALE_LAYOUTS = ("none", "per_block_head")
 SCALE_DTYPE = torch.float32
 
 

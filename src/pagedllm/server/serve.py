@@ -48,13 +48,12 @@ class _Server(uvicorn.Server):
 
 
 def startup_line(engine: Engine, url: str, model_name: str) -> str:
-    kv = engine.kv_manager
     stats = engine.kv_cache_stats()
-    per_block = engine.runner.kv.spec.bytes_per_block
+    block_size, per_block = stats["block_size"], engine.kv_spec.bytes_per_block
     return (f"pagedllm serving {model_name} at {url}/v1 | {engine.config.dtype}, quantization "
-            f"{engine.config.quantization}, attention {engine.runner.backend.name} | KV pool {stats['num_blocks']} "
-            f"blocks x {kv.block_size} tokens = {stats['num_blocks'] * kv.block_size} tokens, "
-            f"{stats['num_blocks'] * per_block / 2**20:.0f} MiB ({kv.layout}) | {engine.kernels_line()}")
+            f"{engine.config.quantization}, attention {engine.attention_backend} | KV pool {stats['num_blocks']} "
+            f"blocks x {block_size} tokens = {stats['num_blocks'] * block_size} tokens, "
+            f"{stats['num_blocks'] * per_block / 2**20:.0f} MiB ({stats['kv_layout']}) | {engine.kernels_line()}")
 
 
 def uvicorn_config(app, host: str, port: int, limits: ServerLimits | None = None,
