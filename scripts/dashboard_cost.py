@@ -16,6 +16,7 @@ import sys
 from types import SimpleNamespace
 
 from pagedllm.bench.timers import median_ms
+from pagedllm.kvcache.block_map import block_map
 from pagedllm.kvcache.manager import KVCacheManager
 from pagedllm.server.dashboard import dashboard_state
 
@@ -47,12 +48,14 @@ def busy_manager(num_blocks: int) -> tuple[KVCacheManager, list]:
     return kv, requests
 
 
-def fake_engine(kv: KVCacheManager, running_ids: list[str]) -> SimpleNamespace:
+def fake_engine(kv: KVCacheManager, running_ids: list[str], waiting: int = 64) -> SimpleNamespace:
     req = lambda rid: SimpleNamespace(request_id=rid, num_computed_tokens=100, num_tokens=101,
                                       num_prompt_tokens=64, max_tokens=200, status=SimpleNamespace(value="running"))
-    sched = SimpleNamespace(running=[req(r) for r in running_ids], waiting=[req(f"w{i}") for i in range(64)],
+    sched = SimpleNamespace(running=[req(r) for r in running_ids], waiting=[req(f"w{i}") for i in range(waiting)],
                             swapped=[])
-    return SimpleNamespace(kv_manager=kv, scheduler=sched, num_steps=1)
+    stats = lambda: {**kv.stats(), "num_steps": 1}  # what Engine.stats() adds that the page reads
+    return SimpleNamespace(stats=stats, kv_block_map=lambda: block_map(kv),
+                           request_queues=lambda: (sched.running, [*sched.waiting, *sched.swapped]))
 
 
 def main(sizes: list[int]) -> None:
@@ -65,8 +68,7 @@ def main(sizes: list[int]) -> None:
         print(f"{n:>6} blocks, full ({state['counts']}): state {state_ms:.2f} ms "
               f"on the engine thread, JSON {json_ms:.2f} ms "
               f"({len(json.dumps(state)) / 1024:.0f} KiB) on the event loop")
-        idle = fake_engine(KVCacheManager(n, BLOCK_SIZE), [])
-        idle.scheduler.waiting = []
+        idle = fake_engine(KVCacheManager(n, BLOCK_SIZE), [], waiting=0)
         print(f"{n:>6} blocks, idle: state {median_ms(lambda e=idle: dashboard_state(e), 30, warmup=False):.2f} ms")
 
 

@@ -83,7 +83,7 @@ def build_engine(options: EngineOptions | None = None, **overrides) -> Engine:
     backend = get_backend(options.attention_backend, device, mcfg.head_dim)
     quantize = functools.partial(QUANTIZATION_METHODS[config.quantization].apply, weights=weights, plan=plan)
     net.finalize(backend, options.layer_loop, plan=plan, quantize=quantize)  # the end of loading
-    del weights
+    del quantize, weights  # free the unfused weights before the KV pool is sized and allocated
     tokenizer = Tokenizer.load(path, path.suffix == ".gguf")
     load_seconds = time.perf_counter() - t0  # weights + tokenizer; not the kernel builds
     engine = Engine(config, net, tokenizer, backend)

@@ -232,6 +232,7 @@ class Engine:
         instead of spinning."""
         if not self.scheduler.stalled:
             return []
+        self.scheduler.empty_steps = 0  # counted afresh for the requests that come next
         owners = {id(o): o for o in self._owner.values()}
         kv = self.kv_manager
         return self._fail(list(owners.values()), "the scheduler could not make progress with the KV blocks left "

@@ -214,6 +214,7 @@ def simulate(trace: list[TraceRequest], timing: StepTimeModel, cache: CacheConfi
         control += time.perf_counter() - t0
         if out.is_empty:
             if sched.stalled:  # nothing can ever run (the engine fails these requests the same way)
+                sched.empty_steps = 0
                 for req in list(sched.requests.values()):
                     by_id[req.request_id].status = "rejected"
                     sched.finish(req.request_id, RequestStatus.FINISHED_ERROR)
