@@ -30,7 +30,10 @@ DEFAULT_STEP_TOKENS = 1024  # max_num_batched_tokens where no CPU family measure
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # the one dtype table: names and element sizes
 SUPPORTED_DTYPES = ("auto", *DTYPE_BYTES)
 ATTENTION_BACKENDS = ("auto", "cpu", "triton", "reference")
-KV_SCALE_LAYOUTS = ("none", "per_block_head")  # KV formats' scales (kvstore/spec.py): none, or per block and KV head
+# KV formats' scales (kvstore/spec.py): none, per block and KV head, or per token row and KV head
+KV_SCALE_LAYOUTS = ("none", "per_block_head", "per_token_head")
+# the KV cache's formats (kvstore/quant.py): the model's dtype, a float dtype, or a quantized one
+KV_CACHE_DTYPES = ("auto", *DTYPE_BYTES, "int8", "fp8_e4m3", "fp8_e5m2", "int4")
 LAYER_LOOPS = ("auto", "python")  # who runs the decoder layers: the C++ stack where it applies, or Python
 EVICTION_POLICIES = ("lru", "lfu", "lru-lfu", "size-weighted")  # kvcache/eviction.py
 HASH_ALGOS = ("xxh3_128", "sha256")  # prefix-cache block hashes (kvcache/hashing.py)
@@ -127,6 +130,10 @@ class CacheConfig:
     contiguous_reservation: Literal[RESERVATIONS] = Field(
         "max_model_len", description="contiguous layout: reserve max_model_len or prompt + max_tokens per request")
     swap_space: Bytes = Field("256MiB", description="host memory for preempted KV blocks (preemption_mode=swap)")
+    kv_cache_dtype: Literal[KV_CACHE_DTYPES] = Field(
+        "auto", description="KV cache format: auto (the model's dtype), float32, bfloat16, float16, or int8, "
+                            "fp8_e4m3, fp8_e5m2, int4 (Hadamard-rotated), scaled per token and KV head; "
+                            "see docs/kv_quantization.md")
 
 
 @pydantic_dataclass(frozen=True, config=_STRICT)

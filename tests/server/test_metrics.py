@@ -48,3 +48,7 @@ def test_metrics_count_a_known_workload(tiny_app):
     names = {m.group(1) for m in re.finditer(r"^# TYPE (\S+)", r.text, re.M)}
     assert {"pagedllm:num_preemptions_total", "pagedllm:kv_cache_fragmentation",
             "pagedllm:swapped_out_blocks_total", "pagedllm:swapped_in_blocks_total"} <= names
+    spec = ctx.engine.engine.kv_spec
+    info = (f"pagedllm:cache_config_info{{block_size=8,bytes_per_block={spec.bytes_per_block},"
+            f"cache_dtype={spec.kv_cache_dtype},num_gpu_blocks=64}}")
+    assert after[info] == 1 and spec.kv_cache_dtype == "float32"

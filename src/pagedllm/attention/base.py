@@ -22,15 +22,22 @@ class AttentionBackend:
     name = "base"
     fuses_rope = False  # True: ``rope_store_attend`` takes the raw qkv rows and applies RoPE itself
     scale_layouts = ("none",)  # the KVSpec scale layouts this backend reads
+    quant_formats: tuple[str, ...] = ()  # the quantized KV formats (kvstore/quant.py) it reads
 
     def check_kv_spec(self, spec: KVSpec, model_dtype: torch.dtype) -> None:
         """Raise ``ConfigError`` naming what this backend cannot read in ``spec``."""
+        if spec.quant != "none":
+            if spec.quant not in self.quant_formats:
+                reads = ", ".join(self.quant_formats) or "none"
+                raise ConfigError(f"the {self.name} attention backend reads no kv_cache_dtype={spec.quant} KV "
+                                  f"(the quantized formats it reads: {reads}); the reference backend reads every one")
+            return
         if spec.scale_layout not in self.scale_layouts:
             raise ConfigError(f"the {self.name} attention backend reads no KV with scale layout "
                               f"{spec.scale_layout!r} (it reads {', '.join(self.scale_layouts)})")
         if spec.dtype != model_dtype:
             raise ConfigError(f"the {self.name} attention backend reads KV in the model's dtype ({model_dtype}), "
-                              f"not {spec.dtype}")
+                              f"not {spec.dtype} (kv_cache_dtype); the reference backend reads any")
 
     def write_kv(self, kv: LayerKV, key: torch.Tensor, value: torch.Tensor, meta: AttentionMetadata) -> None:
         raise NotImplementedError

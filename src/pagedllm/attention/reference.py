@@ -7,6 +7,11 @@ and the partials are merged with log-sum-exp rescaling:
 (Vectorised over blocks; maths in float32 whatever the cache dtype.)
 A query at position ``p`` sees keys at positions ``<= p`` (causal inside the new chunk, all of
 the cached prefix); slots with id < 0 are never written.
+
+A quantized KV format (``LayerKV.codec``) is encoded on write and decoded when the blocks are
+gathered; for a rotated one (int4) the query is rotated as K was and the output rotated back.
+The new chunk's tokens are read back from the cache like the prefix, so an output never depends
+on how a prompt was chunked or whether its prefix came from the cache.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import torch
 
 from pagedllm.attention.base import AttentionBackend
 from pagedllm.attention.metadata import AttentionMetadata
-from pagedllm.kvstore.spec import LayerKV
+from pagedllm.kvstore.spec import LayerKV, as_movable
 
 
 def write_kv(kv: LayerKV, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
@@ -25,8 +30,23 @@ def write_kv(kv: LayerKV, key: torch.Tensor, value: torch.Tensor, slot_mapping: 
         keep = slot_mapping >= 0
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
     nb, bs, h, d = kv.k.shape
-    kv.k.view(nb * bs, h, d).index_copy_(0, slot_mapping, key.to(kv.dtype))
-    kv.v.view(nb * bs, h, d).index_copy_(0, slot_mapping, value.to(kv.dtype))
+    codec = kv.codec
+    if codec is None:
+        kv.k.view(nb * bs, h, d).index_copy_(0, slot_mapping, key.to(kv.dtype))
+        kv.v.view(nb * bs, h, d).index_copy_(0, slot_mapping, value.to(kv.dtype))
+        return
+    for cache, scales, rows in ((kv.k, kv.k_scale, key), (kv.v, kv.v_scale, value)):
+        codes, scale = codec.encode(codec.rotate(rows))
+        as_movable(cache).view(nb * bs, h, d).index_copy_(0, slot_mapping, as_movable(codes))
+        scales.view(nb * bs, h).index_copy_(0, slot_mapping, scale)
+
+
+def gather_blocks(kv: LayerKV, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of the blocks ``tables`` names (any shape of block ids), decoded to float32 for a
+    quantized format, else in the cache's dtype."""
+    if kv.codec is None:
+        return kv.k[tables], kv.v[tables]
+    return kv.codec.decode(kv.k[tables], kv.k_scale[tables]), kv.codec.decode(kv.v[tables], kv.v_scale[tables])
 
 
 def blockwise_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor,
@@ -66,6 +86,13 @@ class ReferenceBackend(AttentionBackend):
     """Pure-torch paged attention (gathers each sequence's blocks, then ``blockwise_attention``)."""
 
     name = "reference"
+    scale_layouts = ("none", "per_token_head")
+
+    def check_kv_spec(self, spec, model_dtype: torch.dtype) -> None:
+        """Reads every KV format of ``kvstore/quant.py`` and any float dtype, whatever the model's."""
+        if spec.quant != "none" or (spec.scale_layout == "none" and spec.dtype.is_floating_point):
+            return
+        super().check_kv_spec(spec, model_dtype)
 
     def __init__(self, scale: float) -> None:
         self.scale = scale
@@ -75,16 +102,20 @@ class ReferenceBackend(AttentionBackend):
 
     def forward(self, query: torch.Tensor, kv: LayerKV, meta: AttentionMetadata) -> torch.Tensor:
         """query [T, H, D] -> output [T, H, D] for the flat batch described by ``meta``."""
-        k_cache, v_cache = kv.k, kv.v
+        if kv.codec is not None and kv.codec.rotated:
+            return kv.codec.unrotate(self._attend(kv.codec.rotate(query), kv, meta)).to(query.dtype)
+        return self._attend(query, kv, meta)
+
+    def _attend(self, query: torch.Tensor, kv: LayerKV, meta: AttentionMetadata) -> torch.Tensor:
         out = torch.empty_like(query)
-        bs = k_cache.shape[1]
+        bs = kv.block_size
         nd = meta.num_decodes
         if nd:
             max_blocks = -(-max(meta.seq_lens_list[:nd]) // bs)
             tables = meta.block_tables[:nd, :max_blocks]
             seq_lens = meta.seq_lens[:nd]
             out[:nd] = blockwise_attention(
-                query[:nd].unsqueeze(1), k_cache[tables], v_cache[tables],
+                query[:nd].unsqueeze(1), *gather_blocks(kv, tables),
                 (seq_lens - 1).unsqueeze(1), seq_lens, self.scale).squeeze(1)
         qsl, lens = meta.query_start_loc_list, meta.seq_lens_list
         for i in range(nd, meta.num_seqs):
@@ -92,7 +123,8 @@ class ReferenceBackend(AttentionBackend):
             nblocks = -(-ctx // bs)
             table = meta.block_tables[i, :nblocks]
             q_pos = torch.arange(ctx - (end - start), ctx, device=query.device).unsqueeze(0)
+            k_blocks, v_blocks = gather_blocks(kv, table.unsqueeze(0))
             out[start:end] = blockwise_attention(
-                query[start:end].unsqueeze(0), k_cache[table].unsqueeze(0), v_cache[table].unsqueeze(0),
+                query[start:end].unsqueeze(0), k_blocks, v_blocks,
                 q_pos, meta.seq_lens[i:i + 1], self.scale).squeeze(0)
         return out

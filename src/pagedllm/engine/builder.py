@@ -14,6 +14,7 @@ import atexit
 import dataclasses
 import functools
 import gc
+import logging
 import time
 
 import torch
@@ -26,6 +27,7 @@ from pagedllm.config import DEFAULT_STEP_TOKENS, EngineConfig, EngineOptions, de
 from pagedllm.dtypes import torch_dtype
 from pagedllm.engine.engine import Engine
 from pagedllm.errors import ConfigError
+from pagedllm.kvstore.spec import kv_spec_for
 from pagedllm.models import decoder_stack
 from pagedllm.models.kernel_plan import plan_kernels
 from pagedllm.models.layer_ops import CpuLayerOps, get_layer_ops
@@ -33,6 +35,23 @@ from pagedllm.models.loader import load_weights, resolve_dtype, resolve_model_pa
 from pagedllm.models.quantization import QUANTIZATION_METHODS, resolve_quantization
 from pagedllm.models.registry import model_class
 from pagedllm.models.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+def choose_backend(name: str, device: str, model, cache, dtype: torch.dtype):
+    """The attention backend ``name`` gives on ``device``; with ``auto``, the reference where the
+    chosen one cannot read ``cache.kv_cache_dtype`` (said once in the log). A named backend that
+    cannot read it raises ``ConfigError`` when the engine is built."""
+    backend = get_backend(name, device, model.head_dim)
+    if name != "auto" or backend.name == "reference":
+        return backend
+    try:
+        backend.check_kv_spec(kv_spec_for(model, cache.block_size, cache.kv_cache_dtype, dtype), dtype)
+    except ConfigError as e:
+        log.warning("attention: %s; kv_cache_dtype=%s runs on the reference backend", e, cache.kv_cache_dtype)
+        return get_backend("reference", device, model.head_dim)
+    return backend
 
 
 def build_engine(options: EngineOptions | None = None, **overrides) -> Engine:
@@ -80,7 +99,7 @@ def build_engine(options: EngineOptions | None = None, **overrides) -> Engine:
                                              layer_ops=layer_ops)
     net.load_hf_state_dict(weights.state_dict)
     net.eval()
-    backend = get_backend(options.attention_backend, device, mcfg.head_dim)
+    backend = choose_backend(options.attention_backend, device, mcfg, cache, torch_dtype(config.dtype))
     quantize = functools.partial(QUANTIZATION_METHODS[config.quantization].apply, weights=weights, plan=plan)
     net.finalize(backend, options.layer_loop, plan=plan, quantize=quantize)  # the end of loading
     del quantize, weights  # free the unfused weights before the KV pool is sized and allocated

@@ -35,7 +35,7 @@ from pagedllm.errors import InvalidRequest
 from pagedllm.kvcache.block_map import block_map
 from pagedllm.kvcache.factory import make_kv_manager
 from pagedllm.kvstore.host_tier import HostTier
-from pagedllm.kvstore.spec import KVSpec
+from pagedllm.kvstore.spec import KVSpec, kv_spec_for
 from pagedllm.kvstore.storage import KVCacheStorage, num_blocks_for
 from pagedllm.models.kernel_plan import KernelPlan
 from pagedllm.models.llama import LlamaForCausalLM
@@ -57,7 +57,7 @@ class Engine:
         self.tokenizer = tokenizer
         dtype = torch_dtype(config.dtype)
         cc = config.cache
-        spec = KVSpec.for_model(config.model, cc.block_size, dtype)
+        spec = kv_spec_for(config.model, cc.block_size, cc.kv_cache_dtype, dtype)
         backend.check_kv_spec(spec, dtype)
         num_blocks = num_blocks_for(spec, cc, config.device)
         swapping = config.scheduler.preemption_mode == "swap" and cc.kv_layout == "paged"

@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from pagedllm.kvstore.spec import LayerKV
+from pagedllm.kvstore.spec import LayerKV, as_movable
 from pagedllm.kvstore.storage import KVCacheStorage
 
 
@@ -40,7 +40,7 @@ class HostTier:
     def _pairs(self):
         """(device tensor, host tensor) of every tensor of every layer."""
         for device_layer, host_layer in zip(self.storage.layers, self.layers, strict=True):
-            yield from zip(device_layer.tensors, host_layer.tensors, strict=True)
+            yield from zip(map(as_movable, device_layer.tensors), map(as_movable, host_layer.tensors), strict=True)
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         dev = torch.tensor([p[0] for p in pairs], device=self.storage.layers[0].k.device)

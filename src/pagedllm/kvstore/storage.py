@@ -15,7 +15,7 @@ import torch
 
 from pagedllm.config import CacheConfig
 from pagedllm.errors import OutOfKVMemory
-from pagedllm.kvstore.spec import KVSpec, LayerKV
+from pagedllm.kvstore.spec import KVSpec, LayerKV, as_movable
 
 
 def num_blocks_for(spec: KVSpec, cache: CacheConfig, device: str = "cpu") -> int:
@@ -76,7 +76,7 @@ class KVCacheStorage:
         src = torch.tensor([c[0] for c in copies], device=device)
         dst = torch.tensor([c[1] for c in copies], device=device)
         for layer in self.layers:
-            for tensor in layer.tensors:
+            for tensor in map(as_movable, layer.tensors):
                 tensor.index_copy_(0, dst, tensor.index_select(0, src))
 
     @property

@@ -32,8 +32,9 @@ LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0
 
 
 def engine_snapshot(engine: Engine) -> dict:
-    """The engine's queues and KV pool (run on the engine thread)."""
-    return engine.stats()
+    """The engine's queues and KV pool (run on the engine thread), and the pool's format."""
+    spec = engine.kv_spec
+    return engine.stats() | {"kv_cache_dtype": spec.kv_cache_dtype, "kv_bytes_per_block": spec.bytes_per_block}
 
 
 class _EngineCollector:
@@ -65,6 +66,13 @@ class _EngineCollector:
         }
         for name, (doc, value) in gauges.items():
             yield self._family(GaugeMetricFamily, name, doc, value)
+        # the pool's format as labels of a constant 1, as vLLM's cache_config_info (its label names)
+        info = {"block_size": str(s["block_size"]), "cache_dtype": s["kv_cache_dtype"],
+                "num_gpu_blocks": str(s["num_blocks"]), "bytes_per_block": str(s["kv_bytes_per_block"])}
+        family = GaugeMetricFamily(self.prefix + "cache_config_info", "the KV pool's format and size (value 1)",
+                                   labels=[*self.labels, *info])
+        family.add_metric([*self.labels.values(), *info.values()], 1)
+        yield family
         counters = {
             "prefix_cache_queries": ("prompt tokens looked up in the prefix cache", s["prefix_cache_queries"]),
             "prefix_cache_hits": ("prompt tokens found in the prefix cache", s["prefix_cache_hits"]),

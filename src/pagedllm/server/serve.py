@@ -53,7 +53,8 @@ def startup_line(engine: Engine, url: str, model_name: str) -> str:
     return (f"pagedllm serving {model_name} at {url}/v1 | {engine.config.dtype}, quantization "
             f"{engine.config.quantization}, attention {engine.attention_backend} | KV pool {stats['num_blocks']} "
             f"blocks x {block_size} tokens = {stats['num_blocks'] * block_size} tokens, "
-            f"{stats['num_blocks'] * per_block / 2**20:.0f} MiB ({stats['kv_layout']}) | {engine.kernels_line()}")
+            f"{stats['num_blocks'] * per_block / 2**20:.0f} MiB ({stats['kv_layout']}, "
+            f"{engine.kv_spec.kv_cache_dtype} KV) | {engine.kernels_line()}")
 
 
 def uvicorn_config(app, host: str, port: int, limits: ServerLimits | None = None,

@@ -1,0 +1,162 @@
+"""KV formats (``kv_cache_dtype``): how K/V rows become stored codes and back.
+
+A format stores each K/V row (one token, one KV head, ``head_dim`` values) on its own, so a
+stored value never depends on a block's write history: the same token's K is the same bytes
+whether it was written by a whole prompt, a chunk of it, a copy-on-write, a swap or the prefix
+cache. The formats:
+
+- ``float32`` / ``bfloat16`` / ``float16``: the values cast, no scale;
+- ``int8``: symmetric per token and KV head, ``scale = absmax / 127`` (bfloat16), codes
+  ``round(x / scale)`` in -127..127;
+- ``fp8_e4m3`` / ``fp8_e5m2``: per token and KV head, ``scale = absmax / fp8_max`` (448 and 57,344),
+  codes ``(x / scale)`` cast to the fp8 type (round to nearest even). A scale is computed on every
+  write: vLLM's fp8 KV with its default scale of 1.0 silently loses accuracy (its docs say so);
+- ``int4``: the row first rotated by a fixed orthogonal matrix (``rotation``: the normalised
+  Hadamard transform where ``head_dim`` is a power of two), then symmetric per token and KV head,
+  ``scale = absmax / 7``, codes -7..7 stored offset by 8 as two nibbles per byte (element ``2i``
+  in the low nibble). Q is rotated alike, so ``q'.k' = q.k`` in exact arithmetic; the output of
+  attention over rotated V is rotated back (``unrotate``). The rotation spreads a row's outliers
+  over all its elements, which 4 bits need (llama.cpp's q4_0 KV measured 6.4648 perplexity
+  without one, 6.3243 with, 6.3123 at f16: its PR 21551).
+
+Scales are bfloat16 (2 bytes per row: an int8 row of 64 values costs 66 bytes, not 68 with
+float32, 1.94x the rows of bf16 instead of 1.88x). Not float16: ``absmax / 57344`` (fp8_e5m2) is
+below float16's normal range for any row under 3.5, and a subnormal scale loses its precision.
+The rows are encoded with the rounded scale, so its 8 bits cost nothing but a clamp: a scale
+rounded down by up to 2^-9 lets ``x / scale`` exceed ``qmax`` by as much, clamped to ``qmax``.
+``KVCodec`` is the one place that says how, in torch; the C++ and Triton kernels encode and decode
+the same bytes the same way (tests compare them). The Hadamard rotation runs as the fast
+Walsh-Hadamard butterflies (``fwht``), in the order the C++ store kernel runs them, so both store
+the same bytes.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+
+SCALE_DTYPE = torch.bfloat16
+
+# name -> (stored element dtype, qmax: the code range's largest magnitude, rotated, packed nibbles)
+_FORMATS = {
+    "int8": (torch.int8, 127.0, False, False),
+    "fp8_e4m3": (torch.float8_e4m3fn, 448.0, False, False),
+    "fp8_e5m2": (torch.float8_e5m2, 57344.0, False, False),
+    "int4": (torch.uint8, 7.0, True, True),
+}
+QUANTIZED_FORMATS = tuple(_FORMATS)
+FLOAT_FORMATS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@functools.cache
+def rotation(head_dim: int) -> torch.Tensor:
+    """A fixed orthogonal ``[head_dim, head_dim]`` float32 matrix ``R`` (``R @ R.T == I``): the
+    normalised Hadamard matrix (Sylvester's construction, symmetric) for a power of two, else a
+    seeded random orthogonal one. Rows are rotated as ``x @ R`` and back as ``y @ R.T``."""
+    if head_dim & (head_dim - 1) == 0:
+        h = torch.ones(1, 1)
+        while h.shape[0] < head_dim:
+            h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+        return h / math.sqrt(head_dim)
+    gen = torch.Generator().manual_seed(head_dim)
+    q, r = torch.linalg.qr(torch.randn(head_dim, head_dim, generator=gen, dtype=torch.float64))
+    return (q * torch.sign(torch.diagonal(r))).float()
+
+
+def fwht(x: torch.Tensor) -> torch.Tensor:
+    """``x @ H`` for the normalised Hadamard matrix ``H`` (last dimension a power of two), by the
+    butterflies ``(a, b) -> (a + b, a - b)`` at strides 1, 2, 4, ... then one multiply by
+    ``1 / sqrt(n)``: the float32 operations of the C++ store kernel's ``fwht``, in its order."""
+    n = x.shape[-1]
+    y = x.reshape(-1, n)
+    h = 1
+    while h < n:
+        pairs = y.view(-1, n // (2 * h), 2, h)
+        a, b = pairs[:, :, 0], pairs[:, :, 1]
+        y = torch.stack([a + b, a - b], dim=2).view(-1, n)
+        h *= 2
+    return (y * torch.tensor(1.0 / math.sqrt(n), dtype=torch.float32)).view(x.shape)
+
+
+@dataclass(frozen=True)
+class KVCodec:
+    """Encode ``[T, kv_heads, head_dim]`` rows to (codes, scales ``[T, kv_heads]``) and back."""
+
+    name: str
+    head_dim: int
+
+    def __post_init__(self) -> None:
+        if self.name not in _FORMATS:
+            raise ValueError(f"KVCodec: no quantized KV format {self.name!r} (formats: {QUANTIZED_FORMATS})")
+        if self.packed and self.head_dim % 2:
+            raise ValueError(f"KVCodec: {self.name} packs two values per byte: head_dim {self.head_dim} is odd")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return _FORMATS[self.name][0]
+
+    @property
+    def qmax(self) -> float:
+        return _FORMATS[self.name][1]
+
+    @property
+    def rotated(self) -> bool:
+        return _FORMATS[self.name][2]
+
+    @property
+    def packed(self) -> bool:
+        return _FORMATS[self.name][3]
+
+    @property
+    def code_dim(self) -> int:
+        """Stored elements per row: ``head_dim``, or half of it packed two per byte."""
+        return self.head_dim // 2 if self.packed else self.head_dim
+
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ R`` in float32 where the format rotates, else ``x`` unchanged."""
+        if not self.rotated:
+            return x
+        if self.head_dim & (self.head_dim - 1) == 0:
+            return fwht(x.float())
+        return x.float() @ rotation(self.head_dim).to(x.device)
+
+    def unrotate(self, y: torch.Tensor) -> torch.Tensor:
+        """``y @ R.T`` (the inverse of ``rotate``), in ``y``'s dtype; ``y`` unchanged without rotation."""
+        if not self.rotated:
+            return y
+        if self.head_dim & (self.head_dim - 1) == 0:  # the normalised Hadamard matrix is its own inverse
+            return fwht(y.float()).to(y.dtype)
+        return (y.float() @ rotation(self.head_dim).to(y.device).T).to(y.dtype)
+
+    def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows ``[..., head_dim]`` (already rotated, for a rotated format) -> (codes, scales)."""
+        xf = x.float()
+        scale = (xf.abs().amax(dim=-1) / self.qmax).to(SCALE_DTYPE)
+        s = scale.float()
+        inv = torch.where(s > 0, 1.0 / s, torch.zeros_like(s)).unsqueeze(-1)
+        y = xf * inv
+        if self.dtype.is_floating_point:  # fp8: the cast rounds to nearest even and saturates here
+            return y.clamp(-self.qmax, self.qmax).to(self.dtype), scale
+        codes = torch.round(y).clamp(-self.qmax, self.qmax)
+        if not self.packed:
+            return codes.to(self.dtype), scale
+        u = (codes + 8).to(torch.uint8)
+        return u[..., 0::2] | (u[..., 1::2] << 4), scale
+
+    def decode(self, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """(codes ``[..., code_dim]``, scales ``[...]``) -> float32 rows ``[..., head_dim]``."""
+        if self.packed:
+            lo = (codes & 0x0F).to(torch.int16) - 8
+            hi = (codes >> 4).to(torch.int16) - 8
+            values = torch.stack([lo, hi], dim=-1).flatten(-2).float()
+        else:
+            values = codes.float()
+        return values * scale.float().unsqueeze(-1)
+
+
+def codec_for(kv_cache_dtype: str, head_dim: int) -> KVCodec | None:
+    """The codec of a quantized format, or None for a float one."""
+    return KVCodec(kv_cache_dtype, head_dim) if kv_cache_dtype in _FORMATS else None

@@ -1,0 +1,87 @@
+"""kv_cache_dtype in the engine: each format gives the same tokens with prefix caching on and off,
+however a prompt is chunked, through swaps and copy-on-write (n > 1, beam search), on a paged
+and a contiguous pool; the pool holds blocks by the format's bytes; nothing leaks."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedllm import LLM, BeamSearchParams, SamplingParams
+from pagedllm.errors import ConfigError
+from pagedllm.kvstore.quant import QUANTIZED_FORMATS
+from tests.conftest import make_tiny_checkpoint
+from tests.integration.test_engine import assert_all_free
+
+FORMATS = [*QUANTIZED_FORMATS, "bfloat16"]
+SHARED = list(range(30, 70))  # 40 shared tokens: 5 full blocks of 8
+PROMPTS = [SHARED + [5, 6, 7], SHARED + [9, 10, 11, 12, 13], list(range(100, 121))]
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("kvq") / "llama", "llama", seed=3)
+
+
+def run(llm: LLM, prompts=PROMPTS, params=GREEDY) -> list[list[list[int]]]:
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert_all_free(llm)
+    return [[c.token_ids for c in o.outputs] for o in outs]
+
+
+def engine(tiny: str, kv_cache_dtype: str, **options) -> LLM:
+    base = dict(model=tiny, dtype="float32", block_size=8, num_kv_blocks=96, max_num_batched_tokens=256,
+                kv_cache_dtype=kv_cache_dtype)
+    return LLM(**(base | options))
+
+
+@pytest.mark.parametrize("kv_cache_dtype", FORMATS)
+def test_each_format_gives_the_same_tokens_however_its_kv_was_written(tiny, kv_cache_dtype):
+    llm = engine(tiny, kv_cache_dtype)
+    assert llm.engine.kv_spec.kv_cache_dtype == kv_cache_dtype
+    expected = run(llm)
+    # one request at a time: the later ones' shared prefix comes from the cache
+    cached = [run(llm, [p])[0] for p in PROMPTS]
+    assert llm.kv_cache_stats()["prefix_cache_hits"] >= 2 * len(SHARED)
+    assert cached == expected
+    assert run(engine(tiny, kv_cache_dtype, enable_prefix_caching=False)) == expected
+    # prompts prefilled in chunks of 8 tokens: later chunks read the stored K/V of earlier ones
+    assert run(engine(tiny, kv_cache_dtype, max_num_batched_tokens=8, enable_prefix_caching=False)) == expected
+    # a pool too small for all three: preempted to the host tier and swapped back in
+    small = engine(tiny, kv_cache_dtype, num_kv_blocks=12, max_num_batched_tokens=64, preemption_mode="swap",
+                   swap_space="8MiB", enable_prefix_caching=False)
+    assert run(small) == expected
+    assert small.kv_cache_stats()["num_swapped_in_blocks"] > 0
+    # the contiguous baseline
+    assert run(engine(tiny, kv_cache_dtype, kv_layout="contiguous", max_model_len=64)) == expected
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "int4"])
+def test_forks_copy_the_quantized_blocks_on_write(tiny, kv_cache_dtype):
+    llm = engine(tiny, kv_cache_dtype)
+    one = run(llm, PROMPTS[:1])[0][0]
+    before = llm.kv_cache_stats()["num_cow_copies"]
+    siblings = run(llm, PROMPTS[:1], SamplingParams(n=3, temperature=0, max_tokens=12, ignore_eos=True))[0]
+    assert siblings == [one] * 3
+    assert llm.kv_cache_stats()["num_cow_copies"] > before
+    params = BeamSearchParams(beam_width=2, max_tokens=6, ignore_eos=True)
+    beams = llm.beam_search([{"prompt_token_ids": PROMPTS[0]}], params)[0].sequences
+    assert_all_free(llm)
+    uncached = engine(tiny, kv_cache_dtype, enable_prefix_caching=False)
+    again = uncached.beam_search([{"prompt_token_ids": PROMPTS[0]}], params)[0].sequences
+    assert len(beams) == 2 and [b.tokens for b in beams] == [b.tokens for b in again]
+    assert_all_free(uncached)
+
+
+def test_the_same_memory_holds_more_blocks_of_a_smaller_format(tiny):
+    blocks = {name: engine(tiny, name, num_kv_blocks=None, kv_cache_memory="1MiB").kv_cache_stats()["num_blocks"]
+              for name in ("float32", "bfloat16", "int8", "int4")}
+    # tiny model: 2 layers x 2 KV heads x head size 16, 8-token blocks: 4,096 / 2,048 / 1,152 / 640 bytes
+    assert blocks == {"float32": 256, "bfloat16": 512, "int8": 910, "int4": 1638}
+
+
+def test_a_backend_that_cannot_read_a_format_is_refused_by_name(tiny):
+    with pytest.raises(ConfigError, match="reads no kv_cache_dtype=int8"):
+        engine(tiny, "int8", attention_backend="cpu")
+    with pytest.raises(ConfigError, match="kv_cache_dtype"):
+        engine(tiny, "int3")

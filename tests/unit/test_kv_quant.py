@@ -1,0 +1,157 @@
+"""Quantized KV formats (kvstore/quant.py): round-trip error bounds, saturation, the rotation's
+exact inverse, history-independent bytes, block counts, and the reference over quantized K/V."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm.attention.reference import ReferenceBackend, gather_blocks
+from pagedllm.config import CacheConfig, ModelConfig
+from pagedllm.errors import ConfigError
+from pagedllm.kvstore.quant import QUANTIZED_FORMATS, KVCodec, rotation
+from pagedllm.kvstore.spec import KVSpec, LayerKV, kv_spec_for
+from pagedllm.kvstore.storage import num_blocks_for
+from tests.unit.test_reference_attention import HEAD_DIM, build_case
+
+MODEL = ModelConfig(vocab_size=512, hidden_size=256, intermediate_size=128, num_layers=2, num_heads=4,
+                    num_kv_heads=2, head_dim=64, max_position_embeddings=512)
+
+# per element: |x - decode(encode(x))| <= rel * |x| + abs_of_scale * scale (the codes' half step)
+BOUNDS = {"int8": (0.0, 0.5), "int4": (0.0, 0.5), "fp8_e4m3": (2.0 ** -4, 2.0 ** -10),
+          "fp8_e5m2": (2.0 ** -3, 2.0 ** -17)}
+
+
+def rows(seed: int, shape=(37, 2, 64), magnitude: float = 1.0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=gen) * magnitude
+    x[3, 0, 5] = 9.0 * magnitude  # an outlier in one row
+    return x
+
+
+@pytest.mark.parametrize("name", QUANTIZED_FORMATS)
+@pytest.mark.parametrize("magnitude", [1e-3, 1.0, 1e4])
+def test_round_trip_error_is_within_the_formats_bound(name, magnitude):
+    codec = KVCodec(name, 64)
+    x = codec.rotate(rows(1, magnitude=magnitude))
+    codes, scale = codec.encode(x)
+    assert codes.dtype == codec.dtype and codes.shape == (37, 2, codec.code_dim) and scale.shape == (37, 2)
+    assert scale.dtype == torch.bfloat16
+    back = codec.decode(codes, scale)
+    rel, absolute = BOUNDS[name]
+    bound = rel * x.abs() + absolute * scale.float().unsqueeze(-1) * 1.0001 + 1e-30
+    assert ((back - x).abs() <= bound).all()
+    # the row's largest magnitude is stored as the format's largest code (scale = absmax / qmax)
+    assert torch.allclose(scale.float(), (x.abs().amax(-1) / codec.qmax).bfloat16().float())
+
+
+@pytest.mark.parametrize("name", QUANTIZED_FORMATS)
+def test_zero_rows_store_scale_zero_and_decode_to_zeros(name):
+    codec = KVCodec(name, 64)
+    codes, scale = codec.encode(torch.zeros(4, 2, 64))
+    assert (scale == 0).all() and (codec.decode(codes, scale) == 0).all()
+
+
+@pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2"])
+def test_fp8_saturates_at_its_largest_finite_value_never_nan(name):
+    codec = KVCodec(name, 64)
+    x = torch.full((2, 1, 64), 1.0)
+    x[:, :, 0] = 3e4  # absmax / fp8_max in float16 rounds, so x / scale can exceed fp8_max a little
+    x[1, 0, 1] = -3e4
+    codes, scale = codec.encode(x)
+    assert torch.isfinite(codes.float()).all()
+    assert codes.float().abs().max() == codec.qmax
+    assert torch.isfinite(codec.decode(codes, scale)).all()
+
+
+def test_int4_packs_two_codes_per_byte_low_nibble_first():
+    codec = KVCodec("int4", 4)
+    x = torch.tensor([[[7.0, -7.0, 1.0, 0.0]]])
+    codes, scale = codec.encode(x)
+    assert scale.item() == 1.0
+    assert codes.tolist() == [[[(7 + 8) | ((-7 + 8) << 4), (1 + 8) | (8 << 4)]]]
+    assert codec.decode(codes, scale).tolist() == x.tolist()
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 48])
+def test_the_rotation_is_orthogonal_and_keeps_dot_products(head_dim):
+    r = rotation(head_dim).double()
+    assert torch.allclose(r @ r.T, torch.eye(head_dim, dtype=torch.float64), atol=1e-6)
+    codec = KVCodec("int4", head_dim)
+    q, k = torch.randn(5, head_dim), torch.randn(5, head_dim)
+    torch.testing.assert_close((codec.rotate(q) * codec.rotate(k)).sum(-1), (q * k).sum(-1), atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(codec.unrotate(codec.rotate(q)), q, atol=1e-5, rtol=1e-5)
+    if head_dim == 64:  # the normalised Hadamard matrix: +-1/8 everywhere, symmetric
+        assert torch.equal(r.abs(), torch.full_like(r, 1 / 8)) and torch.equal(r, r.T)
+
+
+@pytest.mark.parametrize("name", QUANTIZED_FORMATS)
+def test_a_rows_bytes_do_not_depend_on_what_was_encoded_with_it(name):
+    codec = KVCodec(name, 64)
+    x = rows(2)
+    codes, scale = codec.encode(x)
+    for i in (0, 3, 36):
+        one_codes, one_scale = codec.encode(x[i:i + 1])
+        assert torch.equal(one_codes.view(torch.uint8), codes[i:i + 1].view(torch.uint8))
+        assert torch.equal(one_scale, scale[i:i + 1])
+
+
+@pytest.mark.parametrize("kv_cache_dtype,element_bytes,ratio", [
+    ("bfloat16", 2 * 64, 1.0), ("float32", 4 * 64, 0.5), ("int8", 64 + 2, 1.93), ("fp8_e4m3", 64 + 2, 1.93),
+    ("fp8_e5m2", 64 + 2, 1.93), ("int4", 32 + 2, 3.76)])
+def test_the_pool_holds_blocks_by_the_formats_bytes(kv_cache_dtype, element_bytes, ratio):
+    spec = kv_spec_for(MODEL, 16, kv_cache_dtype, torch.bfloat16)
+    assert spec.kv_cache_dtype == kv_cache_dtype
+    assert spec.bytes_per_block == 2 * 2 * 16 * 2 * element_bytes  # layers x (K, V) x tokens x heads x row
+    cache = CacheConfig(block_size=16, kv_cache_memory="1GiB")
+    bf16 = num_blocks_for(kv_spec_for(MODEL, 16, "bfloat16", torch.bfloat16), cache)
+    assert num_blocks_for(spec, cache) / bf16 == pytest.approx(ratio, abs=0.01)
+    layer = LayerKV.allocate(spec, 3)
+    assert layer.nbytes * 2 == 3 * spec.bytes_per_block
+
+
+def test_a_quantized_spec_must_match_its_codec():
+    with pytest.raises(ValueError, match="int8 KV is stored as torch.int8 with per_token_head"):
+        KVSpec(torch.int8, 2, 64, 16, 2, "per_block_head", "int8")
+    with pytest.raises(ValueError, match="no quantized KV format 'int2'"):
+        KVSpec(torch.int8, 2, 64, 16, 2, "per_token_head", "int2")
+    with pytest.raises(ValueError, match="kv_cache_dtype must be"):
+        kv_spec_for(MODEL, 16, "int2", torch.float32)
+
+
+@pytest.mark.parametrize("name", QUANTIZED_FORMATS)
+def test_the_reference_attends_over_the_decoded_cache(name):
+    """Written through the reference, read back: the output equals attention over K/V that were
+    decoded from the cache first (the rotated format: with Q rotated and the output rotated back)."""
+    k, v, query, new_k, new_v, meta, _ = build_case([(40, 1), (9, 9), (33, 5)], 16, 4, 2, torch.float32, seed=4)
+    codec = KVCodec(name, HEAD_DIM)
+    spec = KVSpec(codec.dtype, 2, HEAD_DIM, 16, 1, "per_token_head", name)
+    kv = LayerKV.allocate(spec, k.shape[0])
+    plain = LayerKV(k.clone(), v.clone())
+    backend = ReferenceBackend(HEAD_DIM ** -0.5)
+    # fill every slot (the prefixes too) from the float cache, then write this step's rows
+    slots = torch.arange(k.shape[0] * 16)
+    backend_meta = type("M", (), {"slot_mapping": slots, "has_padding_slots": False})
+    backend.write_kv(kv, k.view(-1, 2, HEAD_DIM), v.view(-1, 2, HEAD_DIM), backend_meta)
+    out = backend.store_and_attend(query, new_k, new_v, kv, meta)
+    decoded_k, decoded_v = gather_blocks(kv, torch.arange(k.shape[0]))
+    r = rotation(HEAD_DIM) if codec.rotated else torch.eye(HEAD_DIM)
+    expected_kv = LayerKV((decoded_k @ r.T).contiguous(), (decoded_v @ r.T).contiguous())
+    expected = backend.forward(query, expected_kv, meta)
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-4)
+    # and it stays close to attention over the unquantized K/V
+    backend.write_kv(plain, new_k, new_v, meta)
+    exact = backend.forward(query, plain, meta)
+    tolerance = {"int8": 0.03, "fp8_e4m3": 0.1, "fp8_e5m2": 0.2, "int4": 0.35}[name]
+    assert (out - exact).abs().max() < tolerance * exact.abs().max()
+
+
+@pytest.mark.parametrize("name", QUANTIZED_FORMATS)
+def test_backends_without_a_format_refuse_it_naming_it(name):
+    spec = kv_spec_for(MODEL, 16, name, torch.float32)
+    ReferenceBackend(0.125).check_kv_spec(spec, torch.float32)
+    from pagedllm.attention.base import AttentionBackend
+
+    with pytest.raises(ConfigError, match=f"reads no kv_cache_dtype={name} KV"):
+        AttentionBackend().check_kv_spec(spec, torch.float32)
+
