@@ -225,6 +225,8 @@ BENCHMARKS = (
            "pagedllm.bench.peers"),
     _bench("compare", "paged vs contiguous KV (prefix caching on and off) on a trace, one KV budget, the mission's "
                       "table", "pagedllm.bench.compare"),
+    _bench("accuracy", "perplexity, KL and teacher-forced agreement of each KV format and weight mode against "
+                       "float32", "pagedllm.bench.accuracy", engine_options=False),
     _bench("serve-offline", "the bench serve workload through LLM.generate in-process (the server's baseline)",
            "pagedllm.bench.serve_offline"),
 )

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from pagedllm import LLM, BeamSearchParams, SamplingParams
+from pagedllm.attention.cpu_kernel import load_cpu_kernel
 from pagedllm.errors import ConfigError
 from pagedllm.kvstore.quant import QUANTIZED_FORMATS
 from tests.conftest import make_tiny_checkpoint
@@ -30,30 +31,40 @@ def run(llm: LLM, prompts=PROMPTS, params=GREEDY) -> list[list[list[int]]]:
 
 
 def engine(tiny: str, kv_cache_dtype: str, **options) -> LLM:
+    """The tiny model at ``kv_cache_dtype``; the other options those of the test's first engine."""
     base = dict(model=tiny, dtype="float32", block_size=8, num_kv_blocks=96, max_num_batched_tokens=256,
                 kv_cache_dtype=kv_cache_dtype)
     return LLM(**(base | options))
 
 
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
 @pytest.mark.parametrize("kv_cache_dtype", FORMATS)
-def test_each_format_gives_the_same_tokens_however_its_kv_was_written(tiny, kv_cache_dtype):
-    llm = engine(tiny, kv_cache_dtype)
+def test_each_format_gives_the_same_tokens_however_its_kv_was_written(tiny, kv_cache_dtype, backend):
+    if backend == "cpu" and load_cpu_kernel() is None:
+        pytest.skip("the C++ kernel cannot be built here")
+    if backend == "cpu" and kv_cache_dtype == "bfloat16":
+        backend = "auto"  # a bf16 cache under a float32 model: the C++ kernel reads only the model's dtype
+    llm = engine(tiny, kv_cache_dtype, attention_backend=backend)
     assert llm.engine.kv_spec.kv_cache_dtype == kv_cache_dtype
+    if backend == "cpu":  # the C++ layer loop runs the layers, its attention calls read the quantized cache
+        assert llm.engine.runner.model._stack is not None
     expected = run(llm)
     # one request at a time: the later ones' shared prefix comes from the cache
     cached = [run(llm, [p])[0] for p in PROMPTS]
     assert llm.kv_cache_stats()["prefix_cache_hits"] >= 2 * len(SHARED)
     assert cached == expected
-    assert run(engine(tiny, kv_cache_dtype, enable_prefix_caching=False)) == expected
+    same = dict(attention_backend=backend)
+    assert run(engine(tiny, kv_cache_dtype, enable_prefix_caching=False, **same)) == expected
     # prompts prefilled in chunks of 8 tokens: later chunks read the stored K/V of earlier ones
-    assert run(engine(tiny, kv_cache_dtype, max_num_batched_tokens=8, enable_prefix_caching=False)) == expected
+    assert run(engine(tiny, kv_cache_dtype, max_num_batched_tokens=8, enable_prefix_caching=False, **same)) \
+        == expected
     # a pool too small for all three: preempted to the host tier and swapped back in
     small = engine(tiny, kv_cache_dtype, num_kv_blocks=12, max_num_batched_tokens=64, preemption_mode="swap",
-                   swap_space="8MiB", enable_prefix_caching=False)
+                   swap_space="8MiB", enable_prefix_caching=False, **same)
     assert run(small) == expected
     assert small.kv_cache_stats()["num_swapped_in_blocks"] > 0
     # the contiguous baseline
-    assert run(engine(tiny, kv_cache_dtype, kv_layout="contiguous", max_model_len=64)) == expected
+    assert run(engine(tiny, kv_cache_dtype, kv_layout="contiguous", max_model_len=64, **same)) == expected
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "int4"])
@@ -80,8 +91,17 @@ def test_the_same_memory_holds_more_blocks_of_a_smaller_format(tiny):
     assert blocks == {"float32": 256, "bfloat16": 512, "int8": 910, "int4": 1638}
 
 
+def test_the_cpu_and_reference_backends_give_the_same_tokens_from_the_same_quantized_cache(tiny):
+    if load_cpu_kernel() is None:
+        pytest.skip("the C++ kernel cannot be built here")
+    for name in QUANTIZED_FORMATS:
+        cpu, reference = (engine(tiny, name, attention_backend=b) for b in ("cpu", "reference"))
+        assert run(cpu) == run(reference)
+
+
 def test_a_backend_that_cannot_read_a_format_is_refused_by_name(tiny):
-    with pytest.raises(ConfigError, match="reads no kv_cache_dtype=int8"):
-        engine(tiny, "int8", attention_backend="cpu")
+    if load_cpu_kernel() is not None:
+        with pytest.raises(ConfigError, match="reads KV in the model's dtype"):
+            engine(tiny, "float16", attention_backend="cpu")
     with pytest.raises(ConfigError, match="kv_cache_dtype"):
         engine(tiny, "int3")

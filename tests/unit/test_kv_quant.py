@@ -155,3 +155,84 @@ def test_backends_without_a_format_refuse_it_naming_it(name):
     with pytest.raises(ConfigError, match=f"reads no kv_cache_dtype={name} KV"):
         AttentionBackend().check_kv_spec(spec, torch.float32)
 
+
+
+def quantized_case(name: str, dtype: torch.dtype, ctx_and_new, num_heads: int = 8, seed: int = 5):
+    """A paged case whose prefix is stored in format ``name`` (by the reference), and a copy of it."""
+    k, v, query, new_k, new_v, meta, _ = build_case(ctx_and_new, 16, num_heads, 2, dtype, seed=seed)
+    codec = KVCodec(name, HEAD_DIM)
+    spec = KVSpec(codec.dtype, 2, HEAD_DIM, 16, 1, "per_token_head", name)
+    kv = LayerKV.allocate(spec, k.shape[0])
+    slots = torch.arange(k.shape[0] * 16)
+    ReferenceBackend(HEAD_DIM ** -0.5).write_kv(kv, k.view(-1, 2, HEAD_DIM), v.view(-1, 2, HEAD_DIM),
+                                                 type("M", (), {"slot_mapping": slots, "has_padding_slots": False}))
+    twin = LayerKV(*(t.clone() for t in kv.tensors), codec=kv.codec)
+    return kv, twin, query, new_k, new_v, meta
+
+
+def same_bytes(a: LayerKV, b: LayerKV) -> bool:
+    return all(torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(a.tensors, b.tensors, strict=True))
+
+
+@pytest.mark.parametrize("name", QUANTIZED_FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_cpu_kernel_stores_the_references_bytes_and_attends_as_it(name, dtype):
+    from pagedllm.attention.cpu_kernel import CpuBackend, load_cpu_kernel
+
+    ops = load_cpu_kernel()
+    if ops is None:
+        pytest.skip("the C++ kernel cannot be built here")
+    # decodes (1 row: G = 4 rows per kv head), a fresh prefill, chunks over a cached prefix, 2 tiles
+    kv, twin, query, new_k, new_v, meta = quantized_case(name, dtype, [(40, 1), (70, 1), (9, 9), (33, 5), (50, 20)])
+    scale = HEAD_DIM ** -0.5
+    expected = ReferenceBackend(scale).store_and_attend(query, new_k, new_v, kv, meta)
+    out = CpuBackend(scale, ops).store_and_attend(query, new_k, new_v, twin, meta)
+    assert same_bytes(kv, twin)
+    assert out.dtype == dtype
+    tol = dict(atol=2e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(out.float(), expected.float(), **tol)
+
+
+@pytest.mark.parametrize("name", QUANTIZED_FORMATS)
+def test_the_cpu_kernels_fused_rope_store_attend_reads_a_quantized_layer(name):
+    """rope_store_attend (the C++ layer loop's call) on a quantized layer: RoPE'd K encoded into
+    the cache byte for byte as the reference path stores it, the same output."""
+    from pagedllm.attention.cpu_kernel import CpuBackend, load_cpu_kernel
+
+    ops = load_cpu_kernel()
+    if ops is None:
+        pytest.skip("the C++ kernel cannot be built here")
+    kv, twin, query, new_k, new_v, meta = quantized_case(name, torch.float32, [(40, 1), (33, 5)], num_heads=4)
+    heads = 4
+    positions = torch.cat([torch.arange(n - q, n) for n, q in ((40, 1), (33, 5))])
+    angles = torch.arange(64).unsqueeze(1) * torch.linspace(0.1, 1.0, HEAD_DIM // 2)
+    cos, sin = torch.cat([angles.cos()] * 2, 1), torch.cat([angles.sin()] * 2, 1)
+
+    def rope(x):
+        half = HEAD_DIM // 2
+        c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+        rotated = torch.cat([-x[..., half:], x[..., :half]], -1)
+        return x * c + rotated * s
+
+    qkv = torch.cat([query.reshape(len(positions), -1), new_k.reshape(len(positions), -1),
+                     new_v.reshape(len(positions), -1)], 1)
+    out = CpuBackend(HEAD_DIM ** -0.5, ops).rope_store_attend(qkv, cos, sin, positions, twin, meta, heads)
+    expected = ReferenceBackend(HEAD_DIM ** -0.5).store_and_attend(rope(query), rope(new_k), new_v, kv, meta)
+    assert same_bytes(kv, twin)
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-4)
+
+
+def test_the_cpu_backend_reads_every_quantized_format_for_its_head_sizes():
+    from pagedllm.attention.cpu_kernel import CpuBackend, load_cpu_kernel
+
+    ops = load_cpu_kernel()
+    if ops is None:
+        pytest.skip("the C++ kernel cannot be built here")
+    backend = CpuBackend(0.125, ops)
+    for name in QUANTIZED_FORMATS:
+        backend.check_kv_spec(kv_spec_for(MODEL, 16, name, torch.bfloat16), torch.bfloat16)
+    odd = ModelConfig(vocab_size=512, hidden_size=96, intermediate_size=128, num_layers=2, num_heads=2,
+                      num_kv_heads=2, head_dim=48, max_position_embeddings=512)
+    backend.check_kv_spec(kv_spec_for(odd, 16, "int8", torch.float32), torch.float32)
+    with pytest.raises(ConfigError, match="power-of-two head size"):
+        backend.check_kv_spec(kv_spec_for(odd, 16, "int4", torch.float32), torch.float32)

@@ -4,6 +4,10 @@ Compiled when the package is installed (``-O3 -march=native``, OpenMP through AT
 pool), or on first use where that build does not fit this machine (``pagedllm/cpu_extension.py``).
 If no build can be had (no compiler), ``load_cpu_kernel`` returns None and says why once; the
 backend selector then falls back to the reference.
+
+It reads the model dtype's K/V and the quantized formats of ``kvstore/quant.py`` (int8, fp8_e4m3,
+fp8_e5m2, int4; ``csrc/kv_codec.h``): rows are encoded as they are stored and decoded a block of
+one KV head at a time inside the attention loop, never into a float copy of the cache.
 """
 
 from __future__ import annotations
@@ -16,7 +20,9 @@ from pagedllm.attention.base import AttentionBackend
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.cpu_extension import CppExtension
 from pagedllm.cpu_features import CpuFeatures, current
-from pagedllm.kvstore.spec import LayerKV
+from pagedllm.errors import ConfigError
+from pagedllm.kvstore.quant import QUANTIZED_FORMATS
+from pagedllm.kvstore.spec import KVSpec, LayerKV
 
 EXTENSION = CppExtension("pagedllm_cpu", Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp",
                          "the C++ paged-attention kernel", "using the reference backend")
@@ -43,6 +49,7 @@ class CpuBackend(AttentionBackend):
 
     name = "cpu"
     fuses_rope = True
+    quant_formats = QUANTIZED_FORMATS
 
     def __init__(self, scale: float, module=None) -> None:
         self.scale = scale
@@ -51,6 +58,15 @@ class CpuBackend(AttentionBackend):
             raise RuntimeError(f"the C++ kernel is unavailable: {EXTENSION.failure}")
         self.dense_prefill_rows = dense_prefill_rows(current())
         self.ops.set_dense_prefill_min_rows(self.dense_prefill_rows)  # per process, the same for all
+
+    def check_kv_spec(self, spec: KVSpec, model_dtype: torch.dtype) -> None:
+        super().check_kv_spec(spec, model_dtype)
+        if spec.quant != "none" and spec.head_dim % 16:
+            raise ConfigError(f"the cpu attention backend reads quantized KV for head sizes divisible by 16, "
+                              f"not {spec.head_dim}")
+        if spec.quant == "int4" and spec.head_dim & (spec.head_dim - 1):
+            raise ConfigError(f"the cpu attention backend rotates int4 KV by a Hadamard transform: it needs a "
+                              f"power-of-two head size here, not {spec.head_dim}")
 
     def write_kv(self, kv: LayerKV, key, value, meta: AttentionMetadata) -> None:
         self.ops.store_kv(key, value, kv.tensors, meta.slot_mapping)

@@ -30,6 +30,7 @@
 
 #include "cpu_vec.h"
 #include "kernel_abi.h"
+#include "kv_codec.h"
 
 namespace {
 
@@ -914,6 +915,132 @@ void attention_kernel(const T* q, const T* kc, const T* vc, T* out, const int64_
   });
 }
 
+// -- quantized KV (csrc/kv_codec.h): int8, fp8_e4m3, fp8_e5m2, int4 ---------------------------------
+// One work item = (query tile of one sequence, kv head), as above. Block by block, the item's kv
+// head's K and V rows are decoded into a block-sized float32 scratch (the cache is never copied
+// whole: one block of one head at a time, in L1), then every row of the tile takes the online-
+// softmax step over it: scores by 16-key dot-product vectors (reduce16), P V by FMAs. int4 rows
+// are stored rotated (fwht): the query is rotated alike and the output rotated back.
+struct QuantScratch {
+  std::vector<float> qf, acc, m, l, scores, kf, vf;
+  int64_t KP;
+  QuantScratch(int64_t rows, int64_t D, int64_t B)
+      : qf(rows * D), acc(rows * D), m(rows), l(rows), scores(rows * round_up(B, 16)), kf(round_up(B, 16) * D, 0.f),
+        vf(B * D), KP(round_up(B, 16)) {}
+};
+
+template <KVFormat F, typename T>
+void attention_quant(const T* q, const uint8_t* kc, const uint8_t* vc, const c10::BFloat16* ks,
+                     const c10::BFloat16* vs, T* out, const int64_t* qsl, const int64_t* seq_lens,
+                     const int64_t* tables, int64_t num_seqs, int64_t max_blocks, int64_t H, int64_t KH, int64_t D,
+                     int64_t B, float scale) {
+  const int64_t G = H / KH, CD = code_bytes<F>(D), NV = D / 16;
+  std::vector<Tile> tiles;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    for (int64_t r = qsl[s]; r < qsl[s + 1]; r += kQueryTile) {
+      tiles.push_back({s, r, std::min<int64_t>(r + kQueryTile, qsl[s + 1])});
+    }
+  }
+  const int64_t num_items = static_cast<int64_t>(tiles.size()) * KH;
+  at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
+    QuantScratch s(kQueryTile * G, D, B);
+    for (int64_t it = begin; it < end; ++it) {
+      const Tile& tile = tiles[it / KH];
+      const int64_t kh = it % KH, seq = tile.seq;
+      const int64_t nq = tile.q_end - tile.q_begin, rows = nq * G;
+      const int64_t first_pos = seq_lens[seq] - (qsl[seq + 1] - qsl[seq]) + (tile.q_begin - qsl[seq]);
+      for (int64_t r = 0; r < rows; ++r) {
+        float* qr = &s.qf[r * D];
+        to_float(q + ((tile.q_begin + r / G) * H + kh * G + r % G) * D, qr, static_cast<int>(D));
+        for (int64_t d = 0; d < D; ++d) qr[d] *= scale;
+        if constexpr (kRotated<F>) fwht(qr, D);
+        s.m[r] = -std::numeric_limits<float>::infinity();
+        s.l[r] = 0.f;
+        std::fill(&s.acc[r * D], &s.acc[r * D] + D, 0.f);
+      }
+      const int64_t last_key = first_pos + nq;  // keys 0..last_key-1 are visible to some row
+      const int64_t* table = tables + seq * max_blocks;
+      for (int64_t b = 0; b * B < last_key; ++b) {
+        const int64_t n = std::min<int64_t>(B, last_key - b * B);
+        for (int64_t j = 0; j < n; ++j) {
+          const int64_t slot = table[b] * B + j;
+          decode_row<F>(kc + (slot * KH + kh) * CD, static_cast<float>(ks[slot * KH + kh]), &s.kf[j * D], D);
+          decode_row<F>(vc + (slot * KH + kh) * CD, static_cast<float>(vs[slot * KH + kh]), &s.vf[j * D], D);
+        }
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t visible = std::min<int64_t>(n, first_pos + r / G - b * B + 1);
+          if (visible <= 0) continue;
+          float* sr = &s.scores[r * s.KP];
+          const v16* qv = reinterpret_cast<const v16*>(&s.qf[r * D]);
+          for (int64_t jc = 0; jc < n; jc += 16) {
+            v16 part[16];
+            for (int jj = 0; jj < 16; ++jj) {
+              if (jc + jj < n) {
+                const v16* kr = reinterpret_cast<const v16*>(&s.kf[(jc + jj) * D]);
+                v16 dot = qv[0] * kr[0];
+                for (int64_t v = 1; v < NV; ++v) dot += qv[v] * kr[v];
+                part[jj] = dot;
+              } else {
+                part[jj] = v16{};
+              }
+            }
+            *reinterpret_cast<v16*>(sr + jc) = reduce16(part);
+          }
+          const float alpha = softmax_step(sr, n, visible, s.m[r], s.l[r]);
+          v16* acc = reinterpret_cast<v16*>(&s.acc[r * D]);
+          for (int64_t v = 0; v < NV; ++v) acc[v] *= alpha;
+          for (int64_t j = 0; j < visible; ++j) {
+            const float p = sr[j];
+            const v16* vr = reinterpret_cast<const v16*>(&s.vf[j * D]);
+            for (int64_t v = 0; v < NV; ++v) acc[v] += p * vr[v];
+          }
+        }
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        float* ar = &s.acc[r * D];
+        const float inv = 1.f / s.l[r];
+        for (int64_t d = 0; d < D; ++d) ar[d] *= inv;
+        if constexpr (kRotated<F>) fwht(ar, D);
+        from_float(ar, out + ((tile.q_begin + r / G) * H + kh * G + r % G) * D, static_cast<int>(D));
+      }
+    }
+  });
+}
+
+// New K/V rows [T, KH, D] (any float dtype) -> codes and scales in their slots (slot < 0: skipped).
+template <KVFormat F, typename T>
+void store_quant(const T* key, const T* value, uint8_t* kc, uint8_t* vc, c10::BFloat16* ks, c10::BFloat16* vs,
+                 const int64_t* slots, int64_t num_tokens, int64_t KH, int64_t D) {
+  const int64_t CD = code_bytes<F>(D);
+  at::parallel_for(0, num_tokens, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(D);
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t slot = slots[t];
+      if (slot < 0) continue;
+      for (int64_t h = 0; h < KH; ++h) {
+        const int64_t i = slot * KH + h;
+        to_float(key + (t * KH + h) * D, row.data(), static_cast<int>(D));
+        if constexpr (kRotated<F>) fwht(row.data(), D);
+        encode_row<F>(row.data(), D, kc + i * CD, ks + i);
+        to_float(value + (t * KH + h) * D, row.data(), static_cast<int>(D));
+        if constexpr (kRotated<F>) fwht(row.data(), D);
+        encode_row<F>(row.data(), D, vc + i * CD, vs + i);
+      }
+    }
+  });
+}
+
+// Calls fn(std::integral_constant<KVFormat, F>) for the format `codes` stores.
+template <typename Fn>
+void with_kv_format(const torch::Tensor& codes, Fn&& fn) {
+  switch (kv_format_of(codes)) {
+    case KVFormat::kInt8: fn(std::integral_constant<KVFormat, KVFormat::kInt8>{}); break;
+    case KVFormat::kFp8E4M3: fn(std::integral_constant<KVFormat, KVFormat::kFp8E4M3>{}); break;
+    case KVFormat::kFp8E5M2: fn(std::integral_constant<KVFormat, KVFormat::kFp8E5M2>{}); break;
+    case KVFormat::kInt4: fn(std::integral_constant<KVFormat, KVFormat::kInt4>{}); break;
+  }
+}
+
 template <typename T>
 void store_kernel(const T* key, const T* value, T* kc, T* vc, const int64_t* slots, int64_t num_tokens,
                   int64_t row) {
@@ -984,12 +1111,6 @@ void dense_prefill(const torch::Tensor& query, const torch::Tensor& k_cache, con
 
 }  // namespace
 
-// The K/V this kernel reads: the model dtype, no scales.
-const pagedllm_cpu::LayerKV& plain(const pagedllm_cpu::LayerKV& kv) {
-  TORCH_CHECK(!kv.has_scales(), "the C++ paged-attention kernel reads K/V without scales; this KV format has them");
-  return kv;
-}
-
 void set_dense_prefill_min_rows(int64_t rows) {
   TORCH_CHECK(rows >= 0, "dense_prefill_min_rows must be >= 0");
   dense_prefill_min_rows.store(rows);
@@ -1059,6 +1180,87 @@ void store(torch::Tensor key, torch::Tensor value, const torch::Tensor& k_cache,
   });
 }
 
+// A quantized layer: codes [NB, B, KH, code bytes] and per-token bfloat16 scales [NB, B, KH].
+void check_quantized(const pagedllm_cpu::LayerKV& kv, int64_t head_dim) {
+  const auto& k = kv.k;
+  TORCH_CHECK(kv.k_scale.dim() == 3 && kv.k_scale.scalar_type() == at::kBFloat16 &&
+                  kv.v_scale.sizes() == kv.k_scale.sizes() && kv.v_scale.scalar_type() == at::kBFloat16,
+              "the C++ paged-attention kernel reads K/V without scales or with per-token bfloat16 scales "
+              "[num_blocks, block_size, kv_heads] (kv_cache_dtype int8, fp8_e4m3, fp8_e5m2, int4); this KV format "
+              "has other scales");
+  TORCH_CHECK(k.dim() == 4 && k.is_contiguous() && kv.v.is_contiguous() && kv.k_scale.is_contiguous() &&
+                  kv.v_scale.is_contiguous() && k.sizes() == kv.v.sizes() && k.dtype() == kv.v.dtype(),
+              "quantized K/V must be contiguous [num_blocks, block_size, kv_heads, code bytes], K and V alike");
+  TORCH_CHECK(kv.k_scale.size(0) == k.size(0) && kv.k_scale.size(1) == k.size(1) && kv.k_scale.size(2) == k.size(2),
+              "the scales do not match the codes' blocks");
+  const KVFormat f = kv_format_of(k);
+  TORCH_CHECK(head_dim % 16 == 0, "quantized KV needs a head size divisible by 16, got ", head_dim);
+  TORCH_CHECK(f != KVFormat::kInt4 || (head_dim & (head_dim - 1)) == 0,
+              "int4 KV (Hadamard-rotated) needs a power-of-two head size here, got ", head_dim);
+  TORCH_CHECK(k.size(3) == (f == KVFormat::kInt4 ? head_dim / 2 : head_dim), "the codes do not match head size ",
+              head_dim);
+}
+
+torch::Tensor attend_quant(torch::Tensor query, const pagedllm_cpu::LayerKV& kv, torch::Tensor query_start_loc,
+                           torch::Tensor seq_lens, torch::Tensor block_tables, double scale) {
+  TORCH_CHECK(query.dim() == 3, "query must be [T, H, D]");
+  const int64_t H = query.size(1), D = query.size(2), B = kv.k.size(1), KH = kv.k.size(2);
+  check_quantized(kv, D);
+  TORCH_CHECK(H % KH == 0, "head shapes do not match the cache");
+  query = query.contiguous();
+  auto qsl = query_start_loc.to(torch::kLong).contiguous();
+  auto lens = seq_lens.to(torch::kLong).contiguous();
+  auto tables = block_tables.to(torch::kLong).contiguous();
+  check_layout(qsl, lens, tables, query.size(0), kv.k.size(0), B);
+  auto out = torch::empty_like(query);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_attention_quant", [&] {
+    with_kv_format(kv.k, [&](auto format) {
+      attention_quant<decltype(format)::value, scalar_t>(
+          query.data_ptr<scalar_t>(), static_cast<const uint8_t*>(kv.k.data_ptr()),
+          static_cast<const uint8_t*>(kv.v.data_ptr()), static_cast<const c10::BFloat16*>(kv.k_scale.data_ptr()),
+          static_cast<const c10::BFloat16*>(kv.v_scale.data_ptr()), out.data_ptr<scalar_t>(), qsl.data_ptr<int64_t>(),
+          lens.data_ptr<int64_t>(), tables.data_ptr<int64_t>(), lens.size(0), tables.size(1), H, KH, D, B,
+          static_cast<float>(scale));
+    });
+  });
+  return out;
+}
+
+// Quantize new K/V rows [T, KH, D] (any float dtype) into their slots; slot < 0 is skipped.
+void store_quant_layer(torch::Tensor key, torch::Tensor value, const pagedllm_cpu::LayerKV& kv,
+                       torch::Tensor slot_mapping) {
+  TORCH_CHECK(key.dim() == 3 && key.sizes() == value.sizes() && key.dtype() == value.dtype(),
+              "key and value must be [T, kv_heads, head_dim] alike");
+  const int64_t KH = kv.k.size(2), D = key.size(2);
+  check_quantized(kv, D);
+  TORCH_CHECK(key.size(1) == KH, "key rows do not match the cache's kv heads");
+  key = key.contiguous();
+  value = value.contiguous();
+  auto slots = slot_mapping.to(torch::kLong).contiguous();
+  TORCH_CHECK(slots.numel() == key.size(0), "key rows do not match the slot mapping");
+  check_slots(slots, kv.k.size(0) * kv.k.size(1));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, key.scalar_type(), "store_kv_quant", [&] {
+    with_kv_format(kv.k, [&](auto format) {
+      store_quant<decltype(format)::value, scalar_t>(
+          key.data_ptr<scalar_t>(), value.data_ptr<scalar_t>(), static_cast<uint8_t*>(kv.k.data_ptr()),
+          static_cast<uint8_t*>(kv.v.data_ptr()), static_cast<c10::BFloat16*>(kv.k_scale.data_ptr()),
+          static_cast<c10::BFloat16*>(kv.v_scale.data_ptr()), slots.data_ptr<int64_t>(), slots.numel(), KH, D);
+    });
+  });
+}
+
+// Either format: without scales, the model dtype's kernels; with them, the quantized ones.
+torch::Tensor attend_layer(torch::Tensor query, const pagedllm_cpu::LayerKV& kv, torch::Tensor query_start_loc,
+                           torch::Tensor seq_lens, torch::Tensor block_tables, double scale) {
+  if (kv.has_scales()) return attend_quant(query, kv, query_start_loc, seq_lens, block_tables, scale);
+  return attend(query, kv.k, kv.v, query_start_loc, seq_lens, block_tables, scale);
+}
+
+void store_layer(torch::Tensor key, torch::Tensor value, const pagedllm_cpu::LayerKV& kv, torch::Tensor slots) {
+  if (kv.has_scales()) return store_quant_layer(key, value, kv, slots);
+  store(key, value, kv.k, kv.v, slots);
+}
+
 // RoPE (rotate-half convention) on one row of `heads` heads: out = x * cos + rotate_half(x) * sin,
 // each product rounded before the sum, as torch computes it (no FMA contraction), so float32
 // results equal the unfused path bit for bit.
@@ -1080,19 +1282,26 @@ __attribute__((optimize("fp-contract=off"))) void rope_row(const T* x, const T* 
 }
 
 // The whole attention block after the QKV projection, in one call per layer: RoPE on q and k
-// (from the fused qkv rows [T, (H + 2 KH) * D]), k and v stored into their slots (padding skipped),
-// then paged attention of the rotated q. Returns [T, H, D].
+// (from the fused qkv rows [T, (H + 2 KH) * D]), k and v stored into their slots (padding skipped;
+// a quantized format's rows encoded on the way, from the roped k in the model dtype), then paged
+// attention of the rotated q. Returns [T, H, D].
 torch::Tensor rope_store_attend_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor positions,
                                    const pagedllm_cpu::LayerKV& kv, torch::Tensor slot_mapping,
                                    torch::Tensor query_start_loc, torch::Tensor seq_lens, torch::Tensor block_tables,
                                    double scale, int64_t H) {
-  const torch::Tensor& k_cache = plain(kv).k;
+  const bool quantized = kv.has_scales();
+  const torch::Tensor& k_cache = kv.k;
   const torch::Tensor& v_cache = kv.v;
-  check_cache(k_cache, v_cache);
   qkv = qkv.contiguous();
-  TORCH_CHECK(qkv.dtype() == k_cache.dtype() && cos.dtype() == qkv.dtype() && sin.dtype() == qkv.dtype(),
-              "qkv, cos/sin and the cache must share a dtype");
-  const int64_t T = qkv.size(0), KH = k_cache.size(2), D = k_cache.size(3), row = KH * D;
+  TORCH_CHECK(cos.dim() == 2 && cos.dtype() == qkv.dtype() && sin.dtype() == qkv.dtype(),
+              "qkv and cos/sin must share a dtype");
+  const int64_t T = qkv.size(0), KH = k_cache.size(2), D = cos.size(1), row = KH * D;
+  if (quantized) {
+    check_quantized(kv, D);
+  } else {
+    check_cache(k_cache, v_cache);
+    TORCH_CHECK(qkv.dtype() == k_cache.dtype() && D == k_cache.size(3), "qkv and the cache must share a dtype");
+  }
   TORCH_CHECK(qkv.size(1) == (H + 2 * KH) * D, "qkv rows do not match the head layout");
   auto pos = positions.to(torch::kLong).contiguous();
   auto slots = slot_mapping.to(torch::kLong).contiguous();
@@ -1103,13 +1312,14 @@ torch::Tensor rope_store_attend_kv(torch::Tensor qkv, torch::Tensor cos, torch::
     TORCH_CHECK(pp[t] >= 0 && pp[t] < cos.size(0), "position ", pp[t], " is outside the RoPE table");
   }
   auto query = torch::empty({T, H, D}, qkv.options());
+  auto key = quantized ? torch::empty({T, KH, D}, qkv.options()) : torch::Tensor();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rope_store", [&] {
     const scalar_t* src = qkv.data_ptr<scalar_t>();
     const scalar_t* cs = cos.data_ptr<scalar_t>();
     const scalar_t* sn = sin.data_ptr<scalar_t>();
     scalar_t* q = query.data_ptr<scalar_t>();
-    scalar_t* kc = k_cache.data_ptr<scalar_t>();
-    scalar_t* vc = v_cache.data_ptr<scalar_t>();
+    scalar_t* kc = quantized ? key.data_ptr<scalar_t>() : k_cache.data_ptr<scalar_t>();
+    scalar_t* vc = quantized ? nullptr : v_cache.data_ptr<scalar_t>();
     const int64_t* p = pos.data_ptr<int64_t>();
     const int64_t* sl = slots.data_ptr<int64_t>();
     const int64_t stride = (H + 2 * KH) * D;
@@ -1119,12 +1329,20 @@ torch::Tensor rope_store_attend_kv(torch::Tensor qkv, torch::Tensor cos, torch::
         const scalar_t* c = cs + p[t] * D;
         const scalar_t* s = sn + p[t] * D;
         rope_row(r, c, s, q + t * H * D, H, D);
+        if (quantized) {
+          rope_row(r + H * D, c, s, kc + t * row, KH, D);  // encoded below with the value rows
+          continue;
+        }
         if (sl[t] < 0) continue;
         rope_row(r + H * D, c, s, kc + sl[t] * row, KH, D);
         std::copy(r + (H + KH) * D, r + (H + 2 * KH) * D, vc + sl[t] * row);
       }
     });
   });
+  if (quantized) {
+    store_quant_layer(key, qkv.narrow(1, (H + KH) * D, KH * D).reshape({T, KH, D}), kv, slots);
+    return attend_quant(query, kv, query_start_loc, seq_lens, block_tables, scale);
+  }
   return attend(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale);
 }
 
@@ -1133,15 +1351,13 @@ torch::Tensor rope_store_attend_kv(torch::Tensor qkv, torch::Tensor cos, torch::
 torch::Tensor paged_attention(torch::Tensor query, const std::vector<torch::Tensor>& kv,
                               torch::Tensor query_start_loc, torch::Tensor seq_lens, torch::Tensor block_tables,
                               double scale) {
-  const auto layer = plain(pagedllm_cpu::LayerKV::from_tensors(kv));
-  return attend(query, layer.k, layer.v, query_start_loc, seq_lens, block_tables, scale);
+  return attend_layer(query, pagedllm_cpu::LayerKV::from_tensors(kv), query_start_loc, seq_lens, block_tables, scale);
 }
 
 // Store new K/V rows [T, KH, D] into their slots; slot < 0 is padding and is skipped.
 void store_kv(torch::Tensor key, torch::Tensor value, const std::vector<torch::Tensor>& kv,
               torch::Tensor slot_mapping) {
-  const auto layer = plain(pagedllm_cpu::LayerKV::from_tensors(kv));
-  store(key, value, layer.k, layer.v, slot_mapping);
+  store_layer(key, value, pagedllm_cpu::LayerKV::from_tensors(kv), slot_mapping);
 }
 
 // The fused path: store the step's new K/V rows, then attend, in one call per layer.
@@ -1149,9 +1365,9 @@ torch::Tensor store_and_attend(torch::Tensor query, torch::Tensor key, torch::Te
                                const std::vector<torch::Tensor>& kv, torch::Tensor slot_mapping,
                                torch::Tensor query_start_loc, torch::Tensor seq_lens, torch::Tensor block_tables,
                                double scale) {
-  const auto layer = plain(pagedllm_cpu::LayerKV::from_tensors(kv));
-  store(key, value, layer.k, layer.v, slot_mapping);
-  return attend(query, layer.k, layer.v, query_start_loc, seq_lens, block_tables, scale);
+  const auto layer = pagedllm_cpu::LayerKV::from_tensors(kv);
+  store_layer(key, value, layer, slot_mapping);
+  return attend_layer(query, layer, query_start_loc, seq_lens, block_tables, scale);
 }
 
 torch::Tensor rope_store_attend(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor positions,
