@@ -34,6 +34,20 @@ ATTENTION_BACKENDS = ("auto", "cpu", "triton", "reference")
 KV_SCALE_LAYOUTS = ("none", "per_block_head", "per_token_head")
 # the KV cache's formats (kvstore/quant.py): the model's dtype, a float dtype, or a quantized one
 KV_CACHE_DTYPES = ("auto", *DTYPE_BYTES, "int8", "fp8_e4m3", "fp8_e5m2", "int4")
+KV_CODE_BYTES = {"int8": 1.0, "fp8_e4m3": 1.0, "fp8_e5m2": 1.0, "int4": 0.5}  # a quantized value's bytes
+KV_SCALE_BYTES = 2  # a quantized format's bfloat16 scale, one per token and KV head
+
+
+def kv_element_bytes(kv_cache_dtype: str, model_dtype: str, head_dim: int) -> float:
+    """Bytes one cached K (or V) value costs, its row's scale shared out: what the simulator and
+    the planner size pools with (``kvstore/spec.py``'s ``bytes_per_block`` counts the same)."""
+    if kv_cache_dtype == "auto":
+        return DTYPE_BYTES[model_dtype]
+    if kv_cache_dtype in DTYPE_BYTES:
+        return DTYPE_BYTES[kv_cache_dtype]
+    if kv_cache_dtype not in KV_CODE_BYTES:
+        raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
+    return KV_CODE_BYTES[kv_cache_dtype] + KV_SCALE_BYTES / head_dim
 LAYER_LOOPS = ("auto", "python")  # who runs the decoder layers: the C++ stack where it applies, or Python
 EVICTION_POLICIES = ("lru", "lfu", "lru-lfu", "size-weighted")  # kvcache/eviction.py
 HASH_ALGOS = ("xxh3_128", "sha256")  # prefix-cache block hashes (kvcache/hashing.py)

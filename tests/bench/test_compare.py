@@ -79,3 +79,23 @@ def test_mission_table_puts_the_claims_beside_the_runs():
         assert cost_per_m_tokens(0.93, CLAIMS["output_tokens_per_s"][side]) == pytest.approx(
             CLAIMS["cost_per_m_tokens"][side], rel=0.07)
     assert cost_per_m_tokens(0.0, 10.0) is None
+
+
+def test_compare_runs_each_kv_format_at_the_same_budget(tmp_path):
+    """int8 KV: 512 / 144 bytes per token of float32's, so 3.5x the blocks, and more sequences at once
+    when the pool is what limits them."""
+    folder = make_tiny_checkpoint(tmp_path / "tiny", "llama")
+    reqs = [TraceRequest(arrival=0.0, prompt_len=60, output_len=20) for _ in range(16)]
+    write_trace(tmp_path / "t.jsonl", reqs)
+    budget = 2 * 16 * 16 * BYTES_PER_TOKEN  # 32 float32 blocks of 16: two sequences' worth
+    rc = main(["bench", "compare", "--model", folder, "--dtype", "float32", "--trace", str(tmp_path / "t.jsonl"),
+               "--kv-cache-memory", str(budget), "--max-model-len", "256", "--time-scale", "0", "--no-progress",
+               "--configs", "paged", "--kv-cache-dtype", "float32,int8", "--json", str(tmp_path / "r.json")])
+    assert rc == 0
+    res = json.loads((tmp_path / "r.json").read_text())["results"]
+    f32, int8 = res["paged, float32 KV"], res["paged, int8 KV"]
+    assert (f32["kv_cache_dtype"], int8["kv_cache_dtype"]) == ("float32", "int8")
+    assert f32["num_blocks"] == 32 and int8["num_blocks"] == budget // (16 * 2 * 2 * 2 * (16 + 2)) == 113
+    assert int8["blocks_per_gib"] == round(2**30 / (16 * 144))
+    assert int8["finished"] == f32["finished"] == 16
+    assert int8["mean_batch"] > 2 * f32["mean_batch"]

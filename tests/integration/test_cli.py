@@ -117,6 +117,16 @@ def test_bench_attention_prefill_checks_each_backend_against_causal_sdpa(tmp_pat
     assert {"cpu_gflops", "reference_gflops", "sdpa_gflops"} <= set(row) and row["cpu_gflops"] > 0
 
 
+def test_bench_attention_times_each_backend_over_each_quantized_format(tmp_path):
+    out = tmp_path / "attention.json"
+    assert cli_main(["bench", "attention", "--batch", "2", "--context", "48", "--repeats", "1", "--dtype", "float32",
+                     "--kv-cache-dtypes", "int8,fp8_e5m2,int4", "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    for backend in ("cpu", "reference"):
+        for fmt in ("int8", "fp8_e5m2", "int4"):
+            assert row[f"{backend}_{fmt}_ms"] > 0 and row[f"{backend}_{fmt}_over_float"] > 0
+
+
 def test_bench_matmul_times_every_projection_with_each_kernel(tmp_path):
     out = tmp_path / "matmul.json"
     r = run_cli("bench", "matmul", "--rows", "1,16", "--repeats", "2", "--json", str(out))

@@ -105,3 +105,12 @@ def test_a_backend_that_cannot_read_a_format_is_refused_by_name(tiny):
             engine(tiny, "float16", attention_backend="cpu")
     with pytest.raises(ConfigError, match="kv_cache_dtype"):
         engine(tiny, "int3")
+
+
+def test_a_format_measured_over_2_percent_says_so_when_the_engine_is_built(tiny, caplog):
+    with caplog.at_level("WARNING", logger="pagedllm.engine.builder"):
+        engine(tiny, "int8")
+    assert not any("perplexity" in r.message for r in caplog.records)
+    with caplog.at_level("WARNING", logger="pagedllm.engine.builder"):
+        engine(tiny, "int4")
+    assert any("kv_cache_dtype=int4 measured +" in r.message and "perplexity" in r.message for r in caplog.records)

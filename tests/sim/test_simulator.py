@@ -3,6 +3,7 @@ trace and configuration it must agree with the real engine step for step."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -123,3 +124,42 @@ def test_simulate_takes_the_engines_block_size_rule(block_size, capsys):
 
     assert main(["simulate", "--block-size", block_size, "--num-requests", "3", "--no-progress"]) == 2
     assert "pagedllm: error: block_size: Input should be" in capsys.readouterr().err
+
+
+def test_simulate_and_plan_size_the_pool_by_the_kv_format(tmp_path):
+    """The same KV memory holds 1.94x the blocks in int8 and 3.76x in int4 (head size 128: 1 + 2/128
+    and 0.5 + 2/128 bytes a value against 2); plan's fifth stage tries each format it is given."""
+    from pagedllm.cli import main
+
+    reports = {}
+    for kv in ("auto", "int8", "int4"):
+        out = tmp_path / f"{kv}.json"
+        assert main(["simulate", "--model", "llama-2-7b", "--device", "a100-80gb", "--kv-memory", "8GiB",
+                     "--kv-cache-dtype", kv, "--num-requests", "20", "--layout", "paged", "--no-progress",
+                     "--json", str(out)]) == 0
+        reports[kv] = json.loads(out.read_text())
+    blocks = {kv: r["num_blocks"] for kv, r in reports.items()}
+    assert blocks["int8"] == int(8 * 2**30 // (16 * 2 * 32 * 32 * 128 * (1 + 2 / 128)))
+    assert blocks["int8"] / blocks["auto"] == pytest.approx(2 / (1 + 2 / 128), rel=1e-3)
+    assert blocks["int4"] / blocks["auto"] == pytest.approx(2 / (0.5 + 2 / 128), rel=1e-3)
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--workload", "alpaca", "--num-requests", "40", "--model", "llama-2-7b", "--device",
+                 "a100-80gb", "--block-sizes", "16", "--memory-shares", "1%,10%", "--max-num-seqs", "64",
+                 "--max-num-batched-tokens", "2048", "--kv-cache-dtypes", "auto,int8", "--no-progress",
+                 "--json", str(out)]) == 0
+    plan = json.loads(out.read_text())
+    assert [r["candidate"]["kv_cache_dtype"] for r in plan["kv_cache_dtypes"]] == ["int8"]
+    assert plan["options"]["kv_cache_dtype"] in ("auto", "int8")
+
+
+def test_the_simulators_bytes_per_value_are_the_engines():
+    import torch
+
+    from pagedllm.config import KV_CACHE_DTYPES, ModelConfig, kv_element_bytes
+    from pagedllm.kvstore.spec import kv_spec_for
+
+    model = ModelConfig(vocab_size=512, hidden_size=256, intermediate_size=128, num_layers=3, num_heads=4,
+                        num_kv_heads=2, head_dim=64, max_position_embeddings=512)
+    for kv in KV_CACHE_DTYPES:
+        spec = kv_spec_for(model, 16, kv, torch.bfloat16)
+        assert spec.bytes_per_block == kv_element_bytes(kv, "bfloat16", 64) * 2 * 3 * 2 * 64 * 16, kv

@@ -158,6 +158,10 @@ def run(args) -> dict:
     weights = [w.strip() for w in args.weights.split(",")]
     contexts = sorted(int(c) for c in args.contexts.split(","))
     configs = [(w, f) for w in weights for f in kv_formats]
+    if args.configs:  # explicit weight/KV pairs instead of the cross product
+        configs = [tuple(pair.strip().split("/", 1)) for pair in args.configs.split(",") if pair.strip()]
+        if any(len(c) != 2 for c in configs):
+            raise SystemExit(f"--configs: give weight/kv pairs such as float32/int8, got {args.configs!r}")
     if REFERENCE not in configs:
         configs.insert(0, REFERENCE)
     engines = {}
@@ -278,6 +282,9 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtypes", default=",".join(KV_FORMATS), help="KV formats to measure")
     p.add_argument("--weights", default="float32,bfloat16,gguf",
                    help=f"weight modes ({', '.join(WEIGHT_MODES)}; gguf: the checkpoint's own GGUF blocks)")
+    p.add_argument("--configs", default=None,
+                   help="weight/KV pairs to measure instead of every weight mode x KV format, e.g. "
+                        "float32/int8,gguf/float32 (the float32/float32 reference is always measured)")
     p.add_argument("--contexts", default="512,4096", help="perplexity window lengths (tokens)")
     p.add_argument("--text-tokens", type=int, default=20480, help="tokens of the reference text to score")
     p.add_argument("--prompts", type=int, default=len(PROMPTS), help=f"chat prompts (at most {len(PROMPTS)})")

@@ -10,6 +10,10 @@ process; the report gives each backend's time as a ratio to the contiguous SDPA.
 ``--block-order shuffled,adjacent``: merging's effect on the kernel: the same decode over shuffled
 blocks and over each sequence's blocks in one physical run, timed in alternation, with the ratio.
 
+``--kv-cache-dtypes int8,int4,...``: the decode also over the same K/V stored in each quantized
+format (``kvstore/quant.py``), each backend's time beside its time over the float cache
+(``<backend>_<format>_over_float``): the fused-dequant kernels against the bf16/float32 ones.
+
 ``--prefill``: instead, causal prefill of ``context`` new tokens per sequence (every position a
 query; no cached prefix), against SDPA with ``is_causal=True``, with each kernel's rate in GFLOP/s
 (4 * heads * head_dim * L(L+1)/2 per sequence: QK^T and PV over the causal triangle).
@@ -29,6 +33,21 @@ import torch.nn.functional as F
 from pagedllm.attention.backends import get_backend
 from pagedllm.attention.random_case import HEAD_DIM, HEADS
 from pagedllm.attention.random_case import random_paged_case as case
+from pagedllm.attention.reference import write_kv
+from pagedllm.kvstore.quant import KVCodec
+from pagedllm.kvstore.spec import KVSpec, LayerKV
+
+# a quantized output's largest difference from the float cache's, as a share of its largest value
+QUANTIZED_TOLERANCE = {"int8": 0.03, "fp8_e4m3": 0.1, "fp8_e5m2": 0.2, "int4": 0.35}
+
+
+def quantized_copy(kv: LayerKV, name: str) -> LayerKV:
+    """The same K/V (every slot) encoded in the quantized format ``name``."""
+    nb, bs, kh, d = kv.k.shape
+    codec = KVCodec(name, d)
+    out = LayerKV.allocate(KVSpec(codec.dtype, kh, d, bs, 1, "per_token_head", name), nb, kv.k.device)
+    write_kv(out, kv.k.view(-1, kh, d), kv.v.view(-1, kh, d), torch.arange(nb * bs, device=kv.k.device))
+    return out
 
 
 def _time(fn, repeats: int) -> float:
@@ -76,7 +95,7 @@ def run_prefill(batches, contexts, blocks, dtypes, backends, repeats: int, seed:
 
 
 def run(batches, contexts, blocks, dtypes, backends, repeats: int, seed: int = 0, device: str = "cpu",
-        order: str = "shuffled") -> list[dict]:
+        order: str = "shuffled", kv_formats: tuple[str, ...] = ()) -> list[dict]:
     gen = torch.Generator().manual_seed(seed)
     rows = []
     for batch, ctx, block, dtype_name in itertools.product(batches, contexts, blocks, dtypes):
@@ -96,6 +115,15 @@ def run(batches, contexts, blocks, dtypes, backends, repeats: int, seed: int = 0
             t = _time(lambda b=backend, q=q, kv=kv, meta=meta: b.forward(q, kv, meta), repeats)
             row[f"{name}_ms"] = round(t * 1000, 3)
             row[f"{name}_over_sdpa"] = round(t / sdpa, 2)
+            for fmt in kv_formats:
+                quantized = quantized_copy(kv, fmt)
+                got = backend.forward(q, quantized, meta).float()
+                error = float((got - out.float()).abs().max() / out.float().abs().max())
+                if error > QUANTIZED_TOLERANCE[fmt]:
+                    raise AssertionError(f"{name} over {fmt} KV is off by {error:.3f} of the float output")
+                tq = _time(lambda b=backend, q=q, kv=quantized, meta=meta: b.forward(q, kv, meta), repeats)
+                row[f"{name}_{fmt}_ms"] = round(tq * 1000, 3)
+                row[f"{name}_{fmt}_over_float"] = round(tq / t, 2)
         rows.append(row)
         print("  ".join(f"{k}={v}" for k, v in row.items()), flush=True)
     return rows
@@ -169,8 +197,9 @@ def main(args) -> list[dict]:
         return rows
     rows = []
     for order in orders:
+        extra = {} if args.prefill else {"kv_formats": tuple(f for f in args.kv_cache_dtypes.split(",") if f)}
         rows += measure(ints(args.batch), ints(args.context), ints(args.block_size), args.dtype.split(","), backends,
-                        args.repeats, args.seed, args.device, order.strip())
+                        args.repeats, args.seed, args.device, order.strip(), **extra)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"threads": torch.get_num_threads(), "rows": rows}, f, indent=2)
@@ -191,5 +220,7 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", default=None)
     p.add_argument("--block-order", default="shuffled",
                    help="shuffled (a pool after churn), adjacent (merged runs), or both: timed in alternation")
+    p.add_argument("--kv-cache-dtypes", default="",
+                   help="decode also over the K/V stored in these quantized formats (int8, fp8_e4m3, fp8_e5m2, int4)")
     p.add_argument("--prefill", action="store_true",
                    help="causal prefill of --context tokens per sequence instead of decode (GFLOP/s)")

@@ -16,6 +16,10 @@ rate, and cost per million output tokens at ``--price-per-hour``; printed in the
 order beside the mission's claimed figures (``mission.py``), with PNG plots of KV memory,
 batch and fragmentation over time (``--plot DIR``) and a JSON report (``--json``).
 
+``--kv-cache-dtype int8,bfloat16,...``: every run once per KV format (``kvstore/quant.py``), at the
+same budget: a smaller format holds more blocks, so more sequences run at once; each run reports
+its blocks per GiB and its KV format.
+
 The runs go one after another, so machine drift between them enters the ratios; the report
 names the CPU.
 """
@@ -44,7 +48,8 @@ CONFIGS = {  # name: (kv_layout, enable_prefix_caching)
 WARMUP_PROMPT = list(range(3, 67))  # ids below the traces' (>= 100): never a prefix-cache hit for them
 
 
-def run_config(args, trace, layout: str, caching: bool, desc: str) -> tuple[dict, SimulationResult]:
+def run_config(args, trace, layout: str, caching: bool, desc: str,
+               kv_cache_dtype: str = "auto") -> tuple[dict, SimulationResult]:
     from tqdm import tqdm
 
     from pagedllm import LLM, SamplingParams
@@ -52,7 +57,7 @@ def run_config(args, trace, layout: str, caching: bool, desc: str) -> tuple[dict
     options = dict(model=args.model, dtype=args.dtype, block_size=args.block_size,
                    kv_cache_memory=args.kv_cache_memory, quantization=args.quantization, kv_layout=layout,
                    enable_prefix_caching=caching, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                   max_num_batched_tokens=args.max_num_batched_tokens)
+                   max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_dtype=kv_cache_dtype)
     llm = LLM(**{k: v for k, v in options.items() if v is not None})
     engine = llm.engine
     llm.generate([{"prompt_token_ids": WARMUP_PROMPT}], SamplingParams(max_tokens=4, ignore_eos=True),
@@ -64,7 +69,8 @@ def run_config(args, trace, layout: str, caching: bool, desc: str) -> tuple[dict
     out["cost_per_m_tokens"] = cost_per_m_tokens(args.price_per_hour, out["output_tokens_per_s"])
     out.update(num_blocks=engine.kv_manager.num_blocks, block_size=engine.config.cache.block_size,
                kv_pool_bytes=engine.kv_manager.num_blocks * per_block,
-               max_model_len=engine.config.scheduler.max_model_len, errors=sorted(set(result.kv["errors"].values())))
+               max_model_len=engine.config.scheduler.max_model_len, errors=sorted(set(result.kv["errors"].values())),
+               kv_cache_dtype=engine.kv_spec.kv_cache_dtype, blocks_per_gib=round(2**30 / per_block))
     del llm, engine
     gc.collect()
     return out, result
@@ -82,9 +88,12 @@ def run(args) -> dict:
               "time_scale": args.time_scale, "kv_cache_memory": str(args.kv_cache_memory),
               "price_per_hour": args.price_per_hour, "claims": CLAIMED_SETUP, "results": {}}
     results: dict[str, SimulationResult] = {}
-    for name in names:
-        layout, caching = CONFIGS[name]
-        report["results"][name], results[name] = run_config(args, trace, layout, caching, name)
+    kv_dtypes = [d.strip() for d in args.kv_cache_dtype.split(",")]
+    for kv_dtype in kv_dtypes:
+        for name in names:
+            layout, caching = CONFIGS[name]
+            key = name if len(kv_dtypes) == 1 else f"{name}, {kv_dtype} KV"
+            report["results"][key], results[key] = run_config(args, trace, layout, caching, key, kv_dtype)
     print(format_report(report))
     if args.plot:
         plot(results, Path(args.plot), report)
@@ -129,6 +138,8 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
                    help="the runs, comma-separated, in this order")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + output, the contiguous reservation (default: the model's context)")
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   help="KV format(s), comma-separated: every run once per format at the same budget")
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--price-per-hour", type=float, default=0.10,

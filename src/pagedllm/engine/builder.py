@@ -27,6 +27,7 @@ from pagedllm.config import DEFAULT_STEP_TOKENS, EngineConfig, EngineOptions, de
 from pagedllm.dtypes import torch_dtype
 from pagedllm.engine.engine import Engine
 from pagedllm.errors import ConfigError
+from pagedllm.kvstore.quant import accuracy_warning
 from pagedllm.kvstore.spec import kv_spec_for
 from pagedllm.models import decoder_stack
 from pagedllm.models.kernel_plan import plan_kernels
@@ -106,6 +107,8 @@ def build_engine(options: EngineOptions | None = None, **overrides) -> Engine:
     tokenizer = Tokenizer.load(path, path.suffix == ".gguf")
     load_seconds = time.perf_counter() - t0  # weights + tokenizer; not the kernel builds
     engine = Engine(config, net, tokenizer, backend)
+    if (warning := accuracy_warning(engine.kv_spec.kv_cache_dtype)) is not None:
+        log.warning(warning)
     engine.load_seconds = load_seconds
     engine.kernel_plan = plan
     engine.model_path = path

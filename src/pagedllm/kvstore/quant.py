@@ -48,6 +48,21 @@ _FORMATS = {
     "int4": (torch.uint8, 7.0, True, True),
 }
 QUANTIZED_FORMATS = tuple(_FORMATS)
+# Perplexity lost against float32 KV at 4,096 tokens of context, measured by ``pagedllm bench
+# accuracy`` on SmolLM2-135M-Instruct (docs/kv_quantization.md has the command, the machine and the
+# other figures). A format over ``WARN_PPL_LOSS_PCT`` is named in a warning when an engine is built.
+MEASURED_PPL_LOSS_PCT = {"int8": 0.03, "int4": 12.2}
+WARN_PPL_LOSS_PCT = 2.0
+
+
+def accuracy_warning(kv_cache_dtype: str) -> str | None:
+    """What to say at start-up about a format that measured over ``WARN_PPL_LOSS_PCT``, or None."""
+    loss = MEASURED_PPL_LOSS_PCT.get(kv_cache_dtype)
+    if loss is None or loss <= WARN_PPL_LOSS_PCT:
+        return None
+    return (f"kv_cache_dtype={kv_cache_dtype} measured +{loss:g}% perplexity against float32 KV at 4,096 tokens "
+            f"(SmolLM2-135M; docs/kv_quantization.md): expect less accurate outputs; int8 measured "
+            f"+{MEASURED_PPL_LOSS_PCT['int8']:g}%")
 FLOAT_FORMATS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 

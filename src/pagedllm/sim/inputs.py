@@ -6,7 +6,7 @@ compare``, so no command module is a library for another. Building these does no
 
 from __future__ import annotations
 
-from pagedllm.config import DTYPE_BYTES, SchedulerConfig, parse_memory_budget
+from pagedllm.config import DTYPE_BYTES, SchedulerConfig, kv_element_bytes, parse_memory_budget
 from pagedllm.sim.shapes import get_device, get_model
 from pagedllm.sim.simulator import StepTimeModel
 from pagedllm.workloads.traces import make_trace, read_trace
@@ -41,7 +41,8 @@ def load_trace(args):
 def setup(args) -> tuple[StepTimeModel, list, int, SchedulerConfig]:
     """(step-time model, trace, KV pool bytes, scheduler config) from the command's arguments."""
     model, device = get_model(args.model), get_device(args.device)
-    timing = StepTimeModel(model, device, DTYPE_BYTES[args.dtype], DTYPE_BYTES[args.kv_dtype])
+    timing = StepTimeModel(model, device, DTYPE_BYTES[args.dtype],
+                           kv_element_bytes(args.kv_cache_dtype, args.dtype, model.head_dim))
     pool = kv_pool_bytes(device.memory_bytes, model.weight_bytes(timing.dtype_bytes), args.kv_memory,
                          args.memory_utilization)
     sched = SchedulerConfig(max_num_seqs=args.max_num_seqs or 256, max_model_len=args.max_model_len,

@@ -64,6 +64,7 @@ ROWS = [  # label, keys, format
     ("requests/s", ("requests_per_s",), _num),
     ("cost per M output tokens", ("cost_per_m_tokens",), _money),
     ("peak KV memory", ("peak_kv_bytes",), _bytes),
+    ("KV blocks per GiB", ("blocks_per_gib",), _num),
     ("TTFT p50 / p99 (ms)", ("ttft_p50_s", "ttft_p99_s"), _ms),
     ("TPOT p50 / p99 (ms)", ("tpot_p50_s", "tpot_p99_s"), _ms),
     ("concurrent sequences mean / max", ("mean_batch", "max_batch"), _num),

@@ -1,6 +1,6 @@
 """``pagedllm plan``: what to deploy with, for a trace, a model and a device, asked of the simulator.
 
-Four stages, each simulating the trace (paged layout, prefix caching on) and keeping the winner
+Five stages, each simulating the trace (paged layout, prefix caching on) and keeping the winner
 for the next:
 
 1. **Block size** by the formula (``block_size.sweep``: ``argmin Memory(B)/B + alpha * Overhead(B)``).
@@ -12,10 +12,12 @@ for the next:
    30% of the device's memory give on the trace.
 3. **Batch limits**: ``max_num_seqs`` x ``max_num_batched_tokens`` (``--max-num-seqs``,
    ``--max-num-batched-tokens``), ranked by output tokens/s, then TTFT p99, then preemptions.
-4. **dtype** of the KV cache, among those the engine has (``--dtypes``: bfloat16, float16,
-   float32). The engine keeps K/V in the model's dtype, so this is the ``dtype`` option and
-   changes the weights' bytes too; the step model keeps the device's bf16 peak for every dtype,
-   which flatters float32 on GPUs.
+4. **dtype** of the model (``--dtypes``: bfloat16, float16, float32), with its KV cache in the
+   same dtype: it changes the weights' bytes too; the step model keeps the device's bf16 peak for
+   every dtype, which flatters float32 on GPUs.
+5. **KV format** (``--kv-cache-dtypes``, e.g. ``auto,int8,int4``): the same memory holds more
+   blocks of a smaller format (its scales counted). The simulator models capacity and bytes
+   read, not accuracy: docs/kv_quantization.md has each format's measured loss.
 
 Prints the recommendation and its runners-up (the next configurations of the last ranking) with
 simulated throughput, TTFT p99 and preemption rate (preemptions per request), and the options to
@@ -31,7 +33,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from pagedllm.cli_args import add_shape_presets, add_trace_source
-from pagedllm.config import DTYPE_BYTES, CacheConfig, SchedulerConfig
+from pagedllm.config import DTYPE_BYTES, KV_CACHE_DTYPES, CacheConfig, SchedulerConfig, kv_element_bytes
 from pagedllm.sim.block_size import choose, parse_block_sizes, sweep
 from pagedllm.sim.inputs import load_trace
 from pagedllm.sim.shapes import get_device, get_model
@@ -46,12 +48,13 @@ class Candidate:
     memory_share: float
     max_num_seqs: int
     max_num_batched_tokens: int
-    dtype: str  # the model's, and so the KV cache's
+    dtype: str  # the model's
+    kv_cache_dtype: str = "auto"  # the KV cache's format (auto: the model's dtype)
 
     def options(self, pool_bytes: int) -> dict:
         return {"block_size": self.block_size, "kv_cache_memory": f"{pool_bytes // 2**20}MiB",
                 "max_num_seqs": self.max_num_seqs, "max_num_batched_tokens": self.max_num_batched_tokens,
-                "dtype": self.dtype}
+                "dtype": self.dtype, "kv_cache_dtype": self.kv_cache_dtype}
 
 
 def _ints(text: str, flag: str) -> list[int]:
@@ -94,15 +97,16 @@ class Planner:
     def pool_bytes(self, share: float, dtype: str) -> int:
         return int(share * self.usable(dtype))
 
-    def timing(self, dtype: str) -> StepTimeModel:
-        return StepTimeModel(self.model, self.device, DTYPE_BYTES[dtype], DTYPE_BYTES[dtype])
+    def timing(self, dtype: str, kv_cache_dtype: str = "auto") -> StepTimeModel:
+        return StepTimeModel(self.model, self.device, DTYPE_BYTES[dtype],
+                             kv_element_bytes(kv_cache_dtype, dtype, self.model.head_dim))
 
     def sched(self, c: Candidate) -> SchedulerConfig:
         return SchedulerConfig(max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
                                max_model_len=self.max_model_len)
 
     def evaluate(self, c: Candidate) -> dict:
-        timing = self.timing(c.dtype)
+        timing = self.timing(c.dtype, c.kv_cache_dtype)
         pool = self.pool_bytes(c.memory_share, c.dtype)
         num_blocks = int(pool // (c.block_size * self.model.kv_bytes_per_token(timing.kv_dtype_bytes)))
         if num_blocks < 1:
@@ -137,7 +141,7 @@ def smallest_sufficient(results: list[dict], tolerance: float) -> dict:
 
 
 def plan(planner: Planner, block_sizes, alpha: float, shares, seqs, batched, dtypes, tolerance: float,
-         start: Candidate, progress=None) -> dict:
+         start: Candidate, progress=None, kv_cache_dtypes=("auto",)) -> dict:
     tick = progress or (lambda n: None)
     # 1. block size by the formula, at the starting limits and memory
     timing = planner.timing(start.dtype)
@@ -158,20 +162,26 @@ def plan(planner: Planner, block_sizes, alpha: float, shares, seqs, batched, dty
     # 4. dtype (of the KV cache, and so of the model)
     by_dtype = [planner.evaluate(replace(c, dtype=d)) if d != c.dtype else limits[0] for d in dtypes]
     tick(1)
-    final = sorted({id(r): r for r in by_dtype + limits}.values(), key=rank_key)
+    # 5. KV format, at the best dtype so far
+    c = min(by_dtype, key=rank_key)["candidate"]
+    by_kv = [planner.evaluate(replace(c, kv_cache_dtype=k)) for k in kv_cache_dtypes if k != c.kv_cache_dtype]
+    tick(1)
+    final = sorted({id(r): r for r in by_kv + by_dtype + limits}.values(), key=rank_key)
     best = final[0]["candidate"]
     device_memory, usable = planner.device.memory_bytes, planner.usable(best.dtype)
     rule = {f"{int(100 * s)}%": planner.evaluate(replace(best, memory_share=min(1.0, s * device_memory / usable)))
             for s in (0.2, 0.3)}  # the rule's share is of the device's memory
     return {"block_sweep": points, "memory": memory, "memory_choice": chosen_memory, "limits": limits,
-            "dtypes": by_dtype, "recommended": final[0], "runners_up": final[1:3], "memory_rule": rule}
+            "dtypes": by_dtype, "kv_cache_dtypes": by_kv, "recommended": final[0], "runners_up": final[1:3],
+            "memory_rule": rule}
 
 
 def _row(r: dict) -> str:
     c = r["candidate"]
     ttft = "-" if r["ttft_p99_s"] is None else f"{1000 * r['ttft_p99_s']:.0f} ms"
     return (f"B={c.block_size:<4} KV {100 * c.memory_share:>3.0f}% ({r['pool_bytes'] / 2**30:6.2f} GiB) "
-            f"seqs {c.max_num_seqs:<4} tokens {c.max_num_batched_tokens:<6} {c.dtype:<9} -> "
+            f"seqs {c.max_num_seqs:<4} tokens {c.max_num_batched_tokens:<6} {c.dtype:<9} "
+            f"KV {c.kv_cache_dtype:<8} -> "
             f"{r['output_tokens_per_s']:>9.1f} out tok/s, TTFT p99 {ttft:>9}, "
             f"preemptions/request {r['preemption_rate']}, rejected {r['rejected']}")
 
@@ -193,6 +203,10 @@ def main(args) -> dict:
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     if not dtypes or any(d not in DTYPE_BYTES for d in dtypes):
         raise ValueError(f"--dtypes must be among {', '.join(DTYPE_BYTES)}, got {args.dtypes!r}")
+    kv_cache_dtypes = [d.strip() for d in args.kv_cache_dtypes.split(",") if d.strip()]
+    if not kv_cache_dtypes or any(d not in KV_CACHE_DTYPES for d in kv_cache_dtypes):
+        raise ValueError(f"--kv-cache-dtypes must be among {', '.join(KV_CACHE_DTYPES)}, "
+                         f"got {args.kv_cache_dtypes!r}")
     if not 0 <= args.tolerance < 1:
         raise ValueError(f"--tolerance must be in [0, 1), got {args.tolerance}")
     trace = load_trace(args)
@@ -200,10 +214,10 @@ def main(args) -> dict:
     seqs = _ints(args.max_num_seqs, "--max-num-seqs")
     batched = _ints(args.max_num_batched_tokens, "--max-num-batched-tokens")
     shares = _shares(args.memory_shares)
-    start = Candidate(16, shares[-1], max(seqs), max(batched), dtypes[0])
-    with tqdm(total=4, desc="plan", disable=args.no_progress, leave=False) as bar:
+    start = Candidate(16, shares[-1], max(seqs), max(batched), dtypes[0], kv_cache_dtypes[0])
+    with tqdm(total=5, desc="plan", disable=args.no_progress, leave=False) as bar:
         result = plan(planner, parse_block_sizes(args.block_sizes), args.alpha, shares, seqs, batched,
-                      dtypes, args.tolerance, start, bar.update)
+                      dtypes, args.tolerance, start, bar.update, kv_cache_dtypes)
     rec = result["recommended"]
     dtype = rec["candidate"].dtype
     print(f"{model.name} on {device.name}, {len(trace)} requests ({args.trace or args.workload}); {dtype} weights "
@@ -238,7 +252,9 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     add_trace_source(p)
     add_shape_presets(p)
     p.add_argument("--dtypes", default="bfloat16,float32",
-                   help="dtypes to consider for the KV cache (the engine keeps K/V in the model's dtype)")
+                   help="model dtypes to consider (the KV cache in the same dtype, unless --kv-cache-dtypes)")
+    p.add_argument("--kv-cache-dtypes", default="auto",
+                   help="KV formats to consider, e.g. auto,int8,int4 (auto: the model's dtype)")
     p.add_argument("--block-sizes", default="8,16,32,64,128")
     p.add_argument("--alpha", type=float, default=0.3, help="the block-size formula's weight of Overhead(B)")
     p.add_argument("--memory-shares", default="10%,20%,30%,50%,70%,90%",

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from pagedllm.cli_args import add_shape_presets, add_trace_source
-from pagedllm.config import CacheConfig, check_block_size
+from pagedllm.config import KV_CACHE_DTYPES, CacheConfig, check_block_size
 from pagedllm.sim.inputs import setup
 from pagedllm.sim.mission import CLAIMED_SETUP, cost_per_m_tokens, format_table
 from pagedllm.sim.simulator import SimulationResult, simulate
@@ -34,6 +34,7 @@ def run(args) -> dict:
     layouts = ["contiguous", "paged"] if args.layout == "both" else [args.layout]
     price = device.price_per_hour if args.price_per_hour is None else args.price_per_hour
     report = {"model": model.name, "device": device.name, "requests": len(trace), "kv_pool_bytes": pool,
+              "kv_cache_dtype": args.kv_cache_dtype,
               "num_blocks": num_blocks, "block_size": args.block_size, "max_model_len": args.max_model_len,
               "contiguous_reservation": args.contiguous_reservation,
               "price_per_hour": price, "claims": (args.model, args.device) == ("llama-2-13b", "a100-80gb"),
@@ -126,7 +127,8 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     add_trace_source(p)
     add_shape_presets(p)
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--kv-dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--kv-cache-dtype", "--kv-dtype", dest="kv_cache_dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="the KV cache's format (auto: --dtype's); a quantized one's scales counted")
     p.add_argument("--kv-memory", default=None, help="KV pool: bytes ('8GiB') or a share of what the weights "
                                                     "leave ('25%%'); default: --memory-utilization")
     p.add_argument("--memory-utilization", type=float, default=0.9,
