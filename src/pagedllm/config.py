@@ -25,7 +25,7 @@ DEFAULT_MAX_LOGPROBS = 20  # the most logprobs a request may ask for by default,
 
 MIN_BLOCK_SIZE = 8
 MAX_BLOCK_SIZE = 128
-QUANTIZATIONS = ("auto", "none", "gguf")
+QUANTIZATIONS = ("auto", "none", "gguf", "awq", "int8")
 DEFAULT_STEP_TOKENS = 1024  # max_num_batched_tokens where no CPU family measured better (models/kernel_plan.py)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # the one dtype table: names and element sizes
 SUPPORTED_DTYPES = ("auto", *DTYPE_BYTES)
@@ -99,8 +99,10 @@ class LoadOptions:
                                                                  "and on x86 CPUs with AVX2 or more, else float32")
     quantization: Literal[QUANTIZATIONS] = Field(
         "auto", description="gguf: small steps (up to 8-16 token rows, per CPU family) read a GGUF's own "
-                            "Q4_0/Q4_1/Q8_0 blocks; "
-                            "auto: gguf for such a GGUF on CPU in bf16/fp16, else none")
+                            "Q4_0/Q4_1/Q8_0 blocks; awq: an AWQ checkpoint's 4-bit groups, the same way; "
+                            "int8: weight-only int8 per output channel, quantized when loaded (no float copy); "
+                            "auto: gguf or awq for such a checkpoint on CPU in bf16/fp16, else none; "
+                            "see docs/weight_quantization.md")
     device: str = Field("cpu", description="cpu or cuda")
     attention_backend: Literal[ATTENTION_BACKENDS] = Field(
         "auto", description="cpu (C++ kernel), triton (GPU), reference (pure torch); auto picks by device")

@@ -64,3 +64,19 @@ def test_accuracy_measures_each_format_against_float32(tiny_with_tokenizer, tmp_
     assert (tmp_path / "kl.png").stat().st_size > 10_000
     out = capsys.readouterr().out
     assert "| float32 | int4 |" in out and "ppl@256" in out
+
+
+def test_weight_modes_int8_and_a_requantized_gguf(tmp_path, capsys):
+    """int8 weights and Q6_K-re-encoded tensors of the embedded GGUF: each diverges a little from the
+    float32 weights, and the report says what was re-encoded."""
+    rc = main(["bench", "accuracy", "--configs", "int8/float32,q6_k/float32", "--contexts", "64",
+               "--text-tokens", "128", "--prompts", "1", "--new-tokens", "4", "--quiet",
+               "--json", str(tmp_path / "w.json")])
+    assert rc == 0
+    report = json.loads((tmp_path / "w.json").read_text())
+    rows = {r["weights"]: r for r in report["rows"]}
+    assert 0 < rows["int8"]["kl_64"] < 0.05 and 0 < rows["q6_k"]["kl_64"] < 0.05
+    q6 = report["requantized"]["q6_k"]
+    assert q6["kind"] == "Q6_K" and q6["tensors"] == 30  # SmolLM2's down projections (rows of 1,536)
+    assert 0.2 < q6["share_of_projection_weights"] < 0.3 and 0 < q6["relative_rms_error"] < 0.03
+    assert "q6_k: 30 tensors re-encoded as Q6_K" in capsys.readouterr().out

@@ -139,7 +139,8 @@ def test_bench_matmul_times_every_projection_with_each_kernel(tmp_path):
     ops = get_layer_ops("cpu")
     packings = {"prepacked": cpu.onednn_packs(torch.bfloat16), "prepacked_fp32": cpu.onednn_packs(torch.float32),
                 "panels_fp32": hasattr(ops, "ops") and ops.ops.has_panel_linear()}
-    expected = {"dense", "plain_fp32", "gguf_blocks"} | {k for k, ok in packings.items() if ok}
+    expected = {"dense", "plain_fp32", "gguf_blocks", "int8_channel", "int8_dequant"} | {
+        k for k, ok in packings.items() if ok}
     assert set(report["not_timed"]) == {k for k, ok in packings.items() if not ok}
     assert cpu.family in report["cpu"]
     for name, proj in report["projections"].items():

@@ -19,7 +19,13 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.cpu_features import matmul_dtype
 from pagedllm.models import decoder_stack
 from pagedllm.models.gguf_quant import decode_blocks
-from pagedllm.models.quantized_linear import Int4BlockMatmul, Int4Matmul, Int8BlockMatmul, NativePackedMatmul
+from pagedllm.models.quantized_linear import (
+    Int4BlockMatmul,
+    Int4Matmul,
+    Int8BlockMatmul,
+    Int8ChannelMatmul,
+    NativePackedMatmul,
+)
 from tests.conftest import force_cpu_family, make_tiny_checkpoint
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=3)
@@ -117,6 +123,18 @@ def test_tiny_checkpoints_equal_the_python_loop(tmp_path, monkeypatch, arch, dty
     assert_stack_equals_python_loop(llm, prompts)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_int8_weights_equal_the_python_loop(tmp_path, dtype):
+    """quantization="int8": the int8 kernel for steps of up to 16 rows, the weight dequantized per
+    call above (prompts of 30 and 70 tokens, steps of 64): both in C++, bit for bit the Python loop."""
+    folder = make_tiny_checkpoint(tmp_path / "llama", "llama")
+    llm = LLM(model=folder, dtype=dtype, quantization="int8", block_size=8, num_kv_blocks=128,
+              max_num_batched_tokens=64, attention_backend="cpu", enable_prefix_caching=False)
+    down = llm.engine.runner.model.layers[0].mlp.down_proj
+    assert isinstance(down.small_batch, Int8ChannelMatmul) and down.weight is None and down.max_rows == 16
+    assert_stack_equals_python_loop(llm, prompts_for(512))
+
+
 def test_default_model_in_bf16_with_its_gguf_blocks_equals_the_python_loop():
     """The engine's own configuration: 4-bit blocks for decode steps, prepacked dense GEMMs for prefill."""
     llm = LLM(dtype="bfloat16", kv_cache_memory="64MiB", enable_prefix_caching=False)
@@ -136,7 +154,7 @@ def test_the_python_loop_runs_where_the_stack_does_not_apply(tmp_path):
     module = decoder_stack.EXTENSION.load()
     lin = model.layers[0].mlp.down_proj
     lin.use_quantized(NativePackedMatmul(torch.empty(0)), 1)
-    assert decoder_stack.describe_projection(module, lin) is None
+    assert decoder_stack.describe_projection(module, lin, model.dtype) is None
     model.finalize(llm.engine.runner.backend, "python")
     assert model.decoder_stack(llm.engine.runner.backend) is None
 

@@ -114,3 +114,9 @@ def test_a_format_measured_over_2_percent_says_so_when_the_engine_is_built(tiny,
     with caplog.at_level("WARNING", logger="pagedllm.engine.builder"):
         engine(tiny, "int4")
     assert any("kv_cache_dtype=int4 measured +" in r.message and "perplexity" in r.message for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="pagedllm.engine.builder"):
+        engine(tiny, "fp8_e5m2")  # +4.7% measured; fp8_e4m3 +1.4% stays quiet
+        engine(tiny, "fp8_e4m3")
+    warned = [r.message for r in caplog.records if "perplexity" in r.message]
+    assert len(warned) == 1 and "kv_cache_dtype=fp8_e5m2" in warned[0]

@@ -58,5 +58,17 @@ def test_quantization_methods_decide_where_they_apply():
     assert resolve_quantization("auto", plain, "bfloat16", "cpu") == "none"
     with pytest.raises(ConfigError, match="quantization='gguf' runs on CPU only"):
         resolve_quantization("gguf", blocks, "bfloat16", "cuda")
+    awq = LoadedWeights(cfg, {}, None, is_gguf=False, quantized={"w": object()})
+    assert resolve_quantization("auto", awq, "bfloat16", "cpu") == "awq"
+    assert resolve_quantization("auto", awq, "float32", "cpu") == "none"
+    assert resolve_quantization("int8", plain, "float32", "cpu") == "int8"  # never picked by auto
+    assert resolve_quantization("int8", blocks, "bfloat16", "cpu") == "int8"  # a GGUF's dequantized weights
+    for method, weights, device, why in (("awq", plain, "cpu", "needs an AWQ checkpoint"),
+                                         ("awq", blocks, "cpu", "needs an AWQ checkpoint"),
+                                         ("gguf", awq, "cpu", "needs a GGUF model"),
+                                         ("int8", awq, "cpu", "needs float weights"),
+                                         ("int8", plain, "cuda", "runs on CPU only")):
+        with pytest.raises(ConfigError, match=f"quantization='{method}' {why}"):
+            resolve_quantization(method, weights, "bfloat16", device)
     with pytest.raises(ConfigError, match="quantization must be one of"):
-        resolve_quantization("awq", plain, "bfloat16", "cpu")
+        resolve_quantization("gptq", plain, "bfloat16", "cpu")

@@ -31,6 +31,7 @@ import platform
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -43,7 +44,11 @@ from pagedllm.kvstore.storage import KVCacheStorage
 
 KV_FORMATS = ("float32", "bfloat16", "float16", "int8", "fp8_e4m3", "fp8_e5m2", "int4")
 # weight mode -> (dtype, quantization); "gguf" only for a GGUF checkpoint
-WEIGHT_MODES = {"float32": ("float32", "none"), "bfloat16": ("bfloat16", "none"), "gguf": ("float32", "gguf")}
+WEIGHT_MODES = {"float32": ("float32", "none"), "bfloat16": ("bfloat16", "none"), "gguf": ("float32", "gguf"),
+                "int8": ("float32", "int8")}
+# weight modes that re-encode a GGUF's tensors whose rows are whole 256-value super-blocks
+# (models/kquant_encode.py: round to nearest) and load the copy as float32
+REQUANTIZED_MODES = {"q4_k": "Q4_K", "q5_k": "Q5_K", "q6_k": "Q6_K"}
 REFERENCE = ("float32", "float32")
 PROMPTS = (
     "Explain in a few sentences how a hash table works.",
@@ -151,6 +156,45 @@ def _score(scorer: Scorer, ids: list[int], first: int, ref_rows: torch.Tensor | 
     return (torch.cat(rows) if rows else ref_rows), torch.cat(kls)
 
 
+def requantized_copy(model: str | None, kind: str) -> tuple[Path, dict]:
+    """The GGUF ``model`` (default: the embedded one) with every tensor whose rows are whole 256-value
+    super-blocks re-encoded as ``kind``, and what was re-encoded: the tensors, their share of the
+    decoder's projection weights, their relative RMS error. Written once into the cache folder
+    (``requantized/``, keyed like the GGUF cache), as the loader's converted weights are."""
+    import gguf
+
+    from pagedllm.cache_dir import cache_dir
+    from pagedllm.models.kquant_encode import requantize_gguf
+    from pagedllm.models.loader import gguf_cache_key, resolve_model_path
+
+    source = resolve_model_path(model)
+    if source.suffix != ".gguf":
+        raise SystemExit(f"weight mode {kind.lower()} re-encodes a GGUF's tensors; {source} is not a GGUF")
+    folder = cache_dir() / "requantized"
+    target = folder / f"{source.stem}.{gguf_cache_key(source)}.{kind}.gguf"
+    summary_file = target.with_suffix(".json")
+    if target.exists() and summary_file.exists():
+        return target, json.loads(summary_file.read_text())
+    folder.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(target.name + ".partial")
+    names = requantize_gguf(source, partial, lambda name: kind if name.startswith("blk.") else None)
+    original = {t.name: t for t in gguf.GGUFReader(str(source)).tensors}
+    squared_error = squared_norm = 0.0
+    for t in gguf.GGUFReader(str(partial)).tensors:
+        if t.name in names:
+            a = torch.from_numpy(gguf.quants.dequantize(original[t.name].data, original[t.name].tensor_type).copy())
+            b = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy())
+            squared_error += float(((a - b) ** 2).sum())
+            squared_norm += float((a ** 2).sum())
+    projections = sum(int(t.n_elements) for t in original.values() if t.name.startswith("blk.") and len(t.shape) == 2)
+    summary = {"kind": kind, "tensors": len(names),
+               "share_of_projection_weights": sum(int(original[n].n_elements) for n in names) / max(projections, 1),
+               "relative_rms_error": math.sqrt(squared_error / max(squared_norm, 1e-30))}
+    partial.replace(target)
+    summary_file.write_text(json.dumps(summary))
+    return target, summary
+
+
 def run(args) -> dict:
     from pagedllm.engine.builder import build_engine
 
@@ -164,10 +208,16 @@ def run(args) -> dict:
             raise SystemExit(f"--configs: give weight/kv pairs such as float32/int8, got {args.configs!r}")
     if REFERENCE not in configs:
         configs.insert(0, REFERENCE)
-    engines = {}
+    engines, requantized = {}, {}
     for w in dict.fromkeys(w for w, _ in configs):
+        if w in REQUANTIZED_MODES:
+            model, requantized[w] = requantized_copy(args.model, REQUANTIZED_MODES[w])
+            engines[w] = build_engine(model=str(model), dtype="float32", quantization="none",
+                                      attention_backend="reference", num_kv_blocks=1)
+            continue
         if w not in WEIGHT_MODES:
-            raise SystemExit(f"--weights: no weight mode {w!r} (modes: {', '.join(WEIGHT_MODES)})")
+            modes = ", ".join([*WEIGHT_MODES, *REQUANTIZED_MODES])
+            raise SystemExit(f"--weights: no weight mode {w!r} (modes: {modes})")
         dtype, quantization = WEIGHT_MODES[w]
         engines[w] = build_engine(model=args.model, dtype=dtype, quantization=quantization,
                                   attention_backend="reference", num_kv_blocks=1)
@@ -229,7 +279,7 @@ def run(args) -> dict:
             "prompts": len(prompts), "new_tokens": args.new_tokens, "chunk": args.chunk,
             "block_size": args.block_size, "reference": "float32 weights, float32 KV", "rows": rows,
             "kl_by_position": {"context": contexts[-1], "bins": POSITION_BINS, "curves": curve},
-            "seconds": time.perf_counter() - t0}
+            "requantized": requantized, "seconds": time.perf_counter() - t0}
 
 
 def table(report: dict) -> str:
@@ -281,7 +331,9 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     add_option_args(p, only=("model",))
     p.add_argument("--kv-cache-dtypes", default=",".join(KV_FORMATS), help="KV formats to measure")
     p.add_argument("--weights", default="float32,bfloat16,gguf",
-                   help=f"weight modes ({', '.join(WEIGHT_MODES)}; gguf: the checkpoint's own GGUF blocks)")
+                   help=f"weight modes ({', '.join([*WEIGHT_MODES, *REQUANTIZED_MODES])}; gguf: the checkpoint's "
+                        "own GGUF blocks; int8: quantization=int8; q4_k/q5_k/q6_k: a GGUF's tensors of whole "
+                        "256-value rows re-encoded so (round to nearest), loaded as float32)")
     p.add_argument("--configs", default=None,
                    help="weight/KV pairs to measure instead of every weight mode x KV format, e.g. "
                         "float32/int8,gguf/float32 (the float32/float32 reference is always measured)")
@@ -300,6 +352,10 @@ def main(args) -> int:
     print(f"{report['model']}; {report['text_tokens']} tokens of {report['text_source']}; "
           f"reference {report['reference']}; {report['seconds']:.0f} s", file=sys.stderr)
     print(table(report))
+    for mode, info in report["requantized"].items():
+        print(f"{mode}: {info['tensors']} tensors re-encoded as {info['kind']} (round to nearest), "
+              f"{100 * info['share_of_projection_weights']:.1f}% of the decoder's projection weights, "
+              f"relative RMS error {info['relative_rms_error']:.4f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)

@@ -9,7 +9,9 @@ native bf16 (``cpu_features.matmul_dtype``), the same float32 weight unpacked (M
 path where oneDNN packs no float32), the same float32 weight as panels for our AVX2 GEMM
 (``panels_fp32``, ``csrc/panel_gemm.h``: where the C++ layer ops have it), and the weight-only
 kernel over the GGUF's own blocks (for the Q4_1 projections torch's int4 kernel, ``gguf_blocks``, and our C++ 4-bit one,
-``gguf_blocks_cpp``; the C++ Q8_0 kernel for the LM head). The per-layer total
+``gguf_blocks_cpp``; the C++ Q8_0 kernel for the LM head), and ``quantization="int8"``'s two paths
+(``int8_channel``: torch's weight-only int8 kernel; ``int8_dequant``: the weight dequantized per
+call, then the dense GEMM). The per-layer total
 shows where the quantized path stops paying (each family's crossovers: ``kernel_plan``). A
 packing oneDNN does not do on this CPU (``CpuFeatures.onednn_packs``) is not timed, and the
 report says why. Weights are
@@ -47,7 +49,13 @@ def main(args) -> dict:
     from pagedllm.models.gguf_quant import BlockQuantized
     from pagedllm.models.layer_ops import get_layer_ops
     from pagedllm.models.loader import load_weights, resolve_model_path
-    from pagedllm.models.quantized_linear import onednn_linear, pack_panels, prepack_for_onednn, quantized_matmul
+    from pagedllm.models.quantized_linear import (
+        Int8ChannelMatmul,
+        onednn_linear,
+        pack_panels,
+        prepack_for_onednn,
+        quantized_matmul,
+    )
 
     cpu = cpu_features.current()
     weights = load_weights(resolve_model_path(args.model))
@@ -87,6 +95,9 @@ def main(args) -> dict:
         kernels = {"gguf_blocks": quantized_matmul(blocks, torch.bfloat16, ops)}  # torch's int4, or our Q8_0
         if blocks.bits == 4 and hasattr(ops, "q4_linear"):
             kernels["gguf_blocks_cpp"] = quantized_matmul(blocks, torch.bfloat16, ops, "cpp")
+        int8 = Int8ChannelMatmul.quantize(dense)  # quantization="int8": its kernel, and its path above int8_rows
+        kernels["int8_channel"] = int8
+        kernels["int8_dequant"] = partial(int8.dense, bias=None)
         per_rows = {}
         for rows in rows_list:
             x = torch.randn(rows, dense.shape[1], generator=gen).bfloat16()

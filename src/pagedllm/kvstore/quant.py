@@ -51,7 +51,8 @@ QUANTIZED_FORMATS = tuple(_FORMATS)
 # Perplexity lost against float32 KV at 4,096 tokens of context, measured by ``pagedllm bench
 # accuracy`` on SmolLM2-135M-Instruct (docs/kv_quantization.md has the command, the machine and the
 # other figures). A format over ``WARN_PPL_LOSS_PCT`` is named in a warning when an engine is built.
-MEASURED_PPL_LOSS_PCT = {"int8": 0.03, "int4": 12.2}
+MEASURED_PPL_LOSS_PCT = {"bfloat16": 0.004, "float16": 0.001, "int8": 0.06, "fp8_e4m3": 1.36, "fp8_e5m2": 4.72,
+                         "int4": 10.6}
 WARN_PPL_LOSS_PCT = 2.0
 
 

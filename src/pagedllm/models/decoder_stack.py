@@ -8,8 +8,8 @@ to the Python loop's (tested); Python then makes one call per step.
 
 It applies where every part of a layer already runs in our C++ or in torch ops callable from C++:
 the C++ layer ops (``CpuLayerOps``), the C++ attention backend (``CpuBackend``, RoPE fused), and
-projections whose kernels are the dense ones of ``Linear`` (oneDNN's, the AVX2 panel GEMM, or
-``at::linear``) or a 4-bit / Q8_0 small-batch kernel.
+projections whose kernels are the dense ones of ``Linear`` (oneDNN's, the AVX2 panel GEMM,
+``at::linear``, the int8 weight dequantized per call) or a 4-bit / Q8_0 / int8 small-batch kernel.
 ``build_decoder_stack`` returns None anywhere else (another backend, a GPU, torch layer ops, a
 kernel it does not know, a plain float32 copy of a widened weight where oneDNN packs nothing), and
 the model keeps its Python loop.
@@ -22,7 +22,7 @@ from pathlib import Path
 
 from pagedllm.cpu_extension import CppExtension
 from pagedllm.models.layer_ops import CpuLayerOps
-from pagedllm.models.quantized_linear import Int4BlockMatmul, Int4Matmul, Int8BlockMatmul, Linear
+from pagedllm.models.quantized_linear import Int4BlockMatmul, Int4Matmul, Int8BlockMatmul, Int8ChannelMatmul, Linear
 
 log = logging.getLogger(__name__)
 
@@ -30,15 +30,18 @@ EXTENSION = CppExtension("pagedllm_decoder_stack", Path(__file__).parent / "csrc
                          "the C++ decoder stack", "running the layer loop in Python")
 
 # the C++ side's codes (Projection::Dense, Projection::Small)
-DENSE_PLAIN, DENSE_PACKED, DENSE_PACKED_WIDENED, DENSE_PANELS_WIDENED = 0, 1, 2, 3
-SMALL_NONE, SMALL_INT4, SMALL_Q8_0, SMALL_Q4 = 0, 1, 2, 3
+DENSE_PLAIN, DENSE_PACKED, DENSE_PACKED_WIDENED, DENSE_PANELS_WIDENED, DENSE_INT8 = 0, 1, 2, 3, 4
+SMALL_NONE, SMALL_INT4, SMALL_Q8_0, SMALL_Q4, SMALL_INT8 = 0, 1, 2, 3, 4
 
 
-def describe_projection(module, linear: Linear):
-    """``linear``'s kernels as a C++ ``Projection``, or None if one of them is not one the stack runs."""
+def describe_projection(module, linear: Linear, dtype):
+    """``linear``'s kernels as a C++ ``Projection`` for a ``dtype`` model, or None if one of them is
+    not one the stack runs."""
     small, a, b = SMALL_NONE, None, None
     kernel = linear.small_batch
-    if isinstance(kernel, Int4Matmul):
+    if isinstance(kernel, Int8ChannelMatmul):
+        small, a, b = SMALL_INT8, kernel.codes, kernel.scales_for(dtype)
+    elif isinstance(kernel, Int4Matmul):
         small, a, b = SMALL_INT4, kernel.packed, kernel.scales_and_zeros
     elif isinstance(kernel, Int8BlockMatmul):
         small, a, b = SMALL_Q8_0, kernel.codes, kernel.scale
@@ -46,7 +49,9 @@ def describe_projection(module, linear: Linear):
         small, a, b = SMALL_Q4, kernel.codes, kernel.scale_min
     elif kernel is not None:
         return None
-    if linear.panels is not None:
+    if linear.int8_weight is not None:
+        dense, weight, bias = DENSE_INT8, linear.int8_weight.codes, linear.small_batch_bias
+    elif linear.panels is not None:
         dense, weight, bias = DENSE_PANELS_WIDENED, linear.panels, linear.packed_bias
     elif linear.packed is not None:
         dense = DENSE_PACKED if linear.widen is None else DENSE_PACKED_WIDENED
@@ -83,7 +88,7 @@ def build_decoder_stack(model, backend):
         attention, mlp = layer.self_attn, layer.mlp
         named = {"qkv_proj": attention.qkv_proj, "o_proj": attention.o_proj, "gate_up_proj": mlp.gate_up_proj,
                  "down_proj": mlp.down_proj}
-        parts = [describe_projection(module, p) for p in named.values()]
+        parts = [describe_projection(module, p, model.dtype) for p in named.values()]
         if any(p is None for p in parts):
             name, linear = next((n, lin) for (n, lin), p in zip(named.items(), parts, strict=True) if p is None)
             kernel = type(linear.small_batch).__name__ if linear.small_batch is not None else "its dense layout"

@@ -36,6 +36,8 @@ import torch
 from pagedllm.config import DEFAULT_STEP_TOKENS
 from pagedllm.cpu_features import CpuFeatures, matmul_dtype_for
 
+DEFAULT_INT8_ROWS = 16
+
 
 @dataclass(frozen=True)
 class KernelPlan:
@@ -49,9 +51,10 @@ class KernelPlan:
     int4_kernel: str = "torch"   # the 4-bit kernel: "torch" (its int4 matmul) or "cpp" (our q4_linear)
     step_tokens: int = DEFAULT_STEP_TOKENS  # the default token budget of a step (max_num_batched_tokens)
     dense_kernel: str = "onednn"  # "onednn" (packed per `pack`, or plain) or "panels" (the AVX2 panel GEMM)
+    int8_rows: int = DEFAULT_INT8_ROWS  # quantization="int8": its int8 kernel up to this many rows
 
     def __post_init__(self) -> None:
-        if min(self.int4_rows, self.q8_0_rows, self.native_head_rows) < 0:
+        if min(self.int4_rows, self.q8_0_rows, self.native_head_rows, self.int8_rows) < 0:
             raise ValueError("row crossovers must be >= 0")
         if self.step_tokens < 1:
             raise ValueError(f"step_tokens must be >= 1, got {self.step_tokens}")

@@ -28,6 +28,7 @@ from pagedllm.models.layer_ops import TorchLayerOps
 from pagedllm.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from pagedllm.models.quantized_linear import (
     DEFAULT_MAX_ROWS,
+    Int8ChannelMatmul,
     Linear,
     NativePackedMatmul,
     prepack_for_onednn,
@@ -221,6 +222,19 @@ class LlamaForCausalLM(nn.Module):
             attach(layer.mlp.down_proj, [p + "mlp.down_proj.weight"])
         attach(self.lm_head, ["model.embed_tokens.weight" if self.config.tie_word_embeddings else "lm_head.weight"])
         return attached
+
+    def use_int8_weights(self, max_rows: int) -> int:
+        """``quantization="int8"``: every decoder projection's weight replaced by int8 codes with a scale
+        per output channel (``Int8ChannelMatmul``; steps of at most ``max_rows`` rows run its int8
+        kernel); embeddings, norms and the LM head stay as loaded. Returns how many were replaced."""
+        self._finalized_for = None  # the stack holds the kernels: finalize again
+        replaced = 0
+        for layer in self.layers:
+            for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                           layer.mlp.down_proj):
+                linear.use_int8_weight(Int8ChannelMatmul.quantize(linear.weight), max_rows)
+                replaced += 1
+        return replaced
 
     def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None:
         """Load HF-named weights (``model.layers.N.self_attn.q_proj.weight`` ...), fusing as we go."""

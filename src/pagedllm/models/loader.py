@@ -2,8 +2,10 @@
 
 Both paths produce a ``ModelConfig`` and an HF-named state dict (``model.layers.N...``), which
 ``LlamaForCausalLM.load_hf_state_dict`` fuses. GGUF tensors are dequantized (Q4_0/Q4_1/Q8_0 by
-``gguf_quant``, whose codes and scales are also kept for ``quantization="gguf"``; other types by
-the ``gguf`` package); llama.cpp's row permutation of Q and K (for the Llama architecture) is undone.
+``gguf_quant``, whose codes and scales are also kept for ``quantization="gguf"``; other types, the
+K-quants among them, by the ``gguf`` package); llama.cpp's row permutation of Q and K (for the
+Llama architecture) is undone. An HF folder whose ``config.json`` has an AWQ ``quantization_config``
+is unpacked by ``awq`` into dequantized weights plus 4-bit blocks (``quantization="awq"``).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from pagedllm import cpu_features
 from pagedllm.cache_dir import cache_dir
 from pagedllm.config import ModelConfig, RopeScaling
 from pagedllm.errors import ModelLoadError
+from pagedllm.models.awq import check_awq_config, read_awq_state
 from pagedllm.models.gguf_quant import SUPPORTED as KEPT_QUANT_TYPES
 from pagedllm.models.gguf_quant import BlockQuantized, decode_blocks
 from pagedllm.models.registry import ARCHITECTURES
@@ -82,7 +85,14 @@ class LoadedWeights:
     state_dict: dict[str, torch.Tensor]
     path: Path
     is_gguf: bool
-    quantized: dict[str, BlockQuantized] = dataclasses.field(default_factory=dict)  # HF name -> GGUF blocks
+    quantized: dict[str, BlockQuantized] = dataclasses.field(default_factory=dict)  # HF name -> 4/8-bit blocks
+
+    @property
+    def quant_format(self) -> str | None:
+        """Where ``quantized`` came from: ``"gguf"``, ``"awq"``, or None (no blocks kept)."""
+        if not self.quantized:
+            return None
+        return "gguf" if self.is_gguf else "awq"
 
 
 def load_weights(path: Path, use_cache: bool = True) -> LoadedWeights:
@@ -98,11 +108,15 @@ def load_weights(path: Path, use_cache: bool = True) -> LoadedWeights:
 GGUF_CACHE_VERSION = 2  # 2: + GGUF codes/scales of Q4_0/Q4_1/Q8_0 tensors
 
 
-def _gguf_cache_folder(path: Path) -> Path:
+def gguf_cache_key(path: Path) -> str:
+    """A GGUF file's key in the cache folder: its path, size, modification time and the cache version."""
     st = path.stat()
-    key = hashlib.sha1(
+    return hashlib.sha1(
         f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}:{GGUF_CACHE_VERSION}".encode()).hexdigest()[:16]
-    return cache_dir() / "gguf" / key
+
+
+def _gguf_cache_folder(path: Path) -> Path:
+    return cache_dir() / "gguf" / gguf_cache_key(path)
 
 
 def _load_gguf_cached(path: Path) -> LoadedWeights:
@@ -272,7 +286,15 @@ def _load_hf_folder(path: Path) -> LoadedWeights:
     config_file = path / "config.json"
     if not config_file.exists():
         raise ModelLoadError(f"{path} has no config.json")
-    cfg = model_config_from_hf(json.loads(config_file.read_text()))
+    hf_config = json.loads(config_file.read_text())
+    cfg = model_config_from_hf(hf_config)
+    quant_config = hf_config.get("quantization_config")
+    awq_group = None
+    if quant_config is not None:
+        method = quant_config.get("quant_method")
+        if method != "awq":
+            raise ModelLoadError(f"quantization_config.quant_method {method!r} is not supported (supported: awq)")
+        awq_group = check_awq_config(quant_config)
     gen_file = path / "generation_config.json"
     if gen_file.exists():
         eos = json.loads(gen_file.read_text()).get("eos_token_id")
@@ -285,4 +307,5 @@ def _load_hf_folder(path: Path) -> LoadedWeights:
     state: dict[str, torch.Tensor] = {}
     for f in files:
         state.update(load_file(str(f)))
-    return LoadedWeights(cfg, state, path, is_gguf=False)
+    quantized = {} if awq_group is None else read_awq_state(state, awq_group)
+    return LoadedWeights(cfg, state, path, is_gguf=False, quantized=quantized)

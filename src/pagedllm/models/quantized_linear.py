@@ -68,11 +68,17 @@ class Int4BlockMatmul:
         n, k = weight.codes.shape
         halves = weight.codes.view(n, k // 32, 2, 16)  # weights j and j + 16 of a block share byte j
         self.codes = (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
-        pairs = torch.stack([weight.scale, weight.minimum], dim=-1)
-        self.scale_min = pairs.half().contiguous()  # GGUF stores both in float16: exact
-        if not torch.equal(self.scale_min.float(), pairs.float()):
+        if not self.accepts(weight):
             raise ValueError("Int4BlockMatmul needs scales and minimums that float16 holds exactly (GGUF's)")
+        self.scale_min = torch.stack([weight.scale, weight.minimum], dim=-1).half().contiguous()
         self.layer_ops = layer_ops
+
+    @staticmethod
+    def accepts(weight: BlockQuantized) -> bool:
+        """Whether float16 holds the blocks' scales and minimums exactly: GGUF stores both so; an AWQ
+        group's minimum ``-scale * zero`` generally needs more bits (torch's kernel runs those)."""
+        pairs = torch.stack([weight.scale, weight.minimum], dim=-1)
+        return torch.equal(pairs.half().float(), pairs.float())
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.layer_ops.q4_linear(x, self.codes, self.scale_min).to(x.dtype)
@@ -92,6 +98,45 @@ class Int8BlockMatmul:
         return self.layer_ops.q8_0_linear(x, self.codes, self.scale).to(x.dtype)
 
 
+class Int8ChannelMatmul:
+    """x [M, K] @ W^T with W as int8 codes and one scale per output channel (``quantization="int8"``):
+    ``w[n, k] = scale[n] * codes[n, k]``, ``scale = absmax / 127`` of the row, codes rounded half to
+    even. Small steps run torch's weight-only ``_weight_int8pack_mm`` (codes widened in registers,
+    activations stay in their dtype: int8 x int8 dot products, VNNI/AMX-INT8, would need int8
+    activations too); larger ones ``dense``: the weight dequantized for that call, then the dense
+    GEMM. The scales are kept in float32 and rounded to the activation dtype once per dtype."""
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor) -> None:
+        if codes.dtype != torch.int8 or codes.dim() != 2 or scale.shape != (codes.shape[0],):
+            raise ValueError("Int8ChannelMatmul needs int8 codes [N, K] and float scales [N]")
+        self.codes, self.scale = codes.contiguous(), scale.float().contiguous()
+        self._scales: dict[torch.dtype, torch.Tensor] = {}
+
+    @staticmethod
+    def quantize(weight: torch.Tensor) -> Int8ChannelMatmul:
+        """Per output channel, symmetric: ``scale = absmax / 127`` (float32; 1 for an all-zero row)."""
+        w = weight.detach().float()
+        scale = w.abs().amax(dim=1) / 127.0
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        codes = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+        return Int8ChannelMatmul(codes, scale)
+
+    def scales_for(self, dtype: torch.dtype) -> torch.Tensor:
+        if dtype not in self._scales:
+            self._scales[dtype] = self.scale.to(dtype)
+        return self._scales[dtype]
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight [N, K] as this kernel computes it in ``dtype``."""
+        return self.codes.to(dtype) * self.scales_for(dtype)[:, None]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int8pack_mm(x.contiguous(), self.codes, self.scales_for(x.dtype))
+
+    def dense(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(x, self.dequantize(x.dtype), bias)
+
+
 class NativePackedMatmul:
     """x [M, K] @ W^T through oneDNN in the weight's own dtype (no widening): for a single row, where
     reading half the bytes beats float32's faster arithmetic (figures: docs/design.md)."""
@@ -106,9 +151,10 @@ class NativePackedMatmul:
 def quantized_matmul(weight: BlockQuantized, dtype: torch.dtype, layer_ops, int4_kernel: str = "torch"):
     """The small-batch kernel for these blocks, or None when this machine has none for them.
     ``int4_kernel`` (``KernelPlan.int4_kernel``): ``"cpp"`` for our C++ 4-bit kernel (where the C++
-    layer ops built), ``"torch"`` for torch's int4 one."""
+    layer ops built and float16 holds the blocks' scales and minimums), ``"torch"`` for torch's int4
+    one."""
     if weight.bits == 4:
-        if int4_kernel == "cpp" and hasattr(layer_ops, "q4_linear"):
+        if int4_kernel == "cpp" and hasattr(layer_ops, "q4_linear") and Int4BlockMatmul.accepts(weight):
             return Int4BlockMatmul(weight, layer_ops)
         return Int4Matmul(weight, dtype) if cpu_features.current().int4_matmul else None
     if hasattr(layer_ops, "q8_0_linear"):
@@ -168,10 +214,17 @@ class Linear(nn.Linear):
     wide_weight = None       # a plain float32 copy, where oneDNN packs no float32 weight (with packed_bias)
     panels = None            # float32 panels for the C++ panel GEMM (with packed_bias), see prepack
     panel_ops = None         # the C++ layer ops module that runs them
+    int8_weight = None       # the only copy of the weight under quantization="int8" (Int8ChannelMatmul)
 
     def use_quantized(self, kernel, max_rows: int = DEFAULT_MAX_ROWS) -> None:
         self.small_batch, self.max_rows = kernel, max_rows
         self.small_batch_bias = None if self.bias is None else self.bias.detach()
+
+    def use_int8_weight(self, kernel: Int8ChannelMatmul, max_rows: int) -> None:
+        """Keep the weight only as ``kernel``'s int8 codes (the dense Parameter is dropped): steps of
+        at most ``max_rows`` rows run its int8 kernel, larger ones its dequantize-then-GEMM path."""
+        self.use_quantized(kernel, max_rows)
+        self.int8_weight, self.weight = kernel, None
 
     def prepack(self, compute_dtype: torch.dtype | None = None, panel_ops=None) -> bool:
         """Keep the weight only in oneDNN's layout; True if done. By default only where that gives
@@ -217,4 +270,6 @@ class Linear(nn.Linear):
             return self.panel_ops.panel_linear(x, self.panels, self.packed_bias, self.out_features).to(x.dtype)
         if self.wide_weight is not None:  # after the packed path: no extra check on the common one
             return F.linear(x.to(self.widen), self.wide_weight, self.packed_bias).to(x.dtype)
+        if self.int8_weight is not None:
+            return self.int8_weight.dense(x, self.small_batch_bias)
         return F.linear(x, self.weight, self.bias)

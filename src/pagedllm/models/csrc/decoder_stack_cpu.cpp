@@ -41,15 +41,16 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed, const st
 
 // One linear layer, as models/quantized_linear.Linear runs it.
 struct Projection {
-  enum Dense : int64_t { kPlain = 0, kPacked = 1, kPackedWidened = 2, kPanelsWidened = 3 };
-  enum Small : int64_t { kNone = 0, kInt4 = 1, kQ8_0 = 2, kQ4 = 3 };
+  enum Dense : int64_t { kPlain = 0, kPacked = 1, kPackedWidened = 2, kPanelsWidened = 3, kInt8Dequant = 4 };
+  enum Small : int64_t { kNone = 0, kInt4 = 1, kQ8_0 = 2, kQ4 = 3, kInt8 = 4 };
 
   int64_t dense;
   at::Tensor weight;  // [N, K] (kPlain), oneDNN's packed layout, or float32 panels [ceil(N / 16), K, 16]
   std::optional<at::Tensor> bias;
   int64_t small;
   int64_t max_rows;
-  at::Tensor small_a, small_b;  // int4: packed codes, scales and zeros; Q8_0: codes, scales; Q4: codes, scale_min
+  at::Tensor small_a, small_b;  // int4: packed codes, scales and zeros; Q8_0: codes, scales; Q4: codes, scale_min;
+                                // int8: codes [N, K], a scale per output channel in the model dtype
   std::optional<at::Tensor> small_bias;
   int64_t out_features = 0;  // N (the panels pad it to a multiple of 16)
 
@@ -58,9 +59,10 @@ struct Projection {
              std::optional<at::Tensor> small_bias, int64_t out_features)
       : dense(dense), weight(std::move(weight)), bias(std::move(bias)), small(small), max_rows(max_rows),
         small_bias(std::move(small_bias)), out_features(out_features) {
-    TORCH_CHECK(dense >= kPlain && dense <= kPanelsWidened, "unknown dense kernel ", dense);
+    TORCH_CHECK(dense >= kPlain && dense <= kInt8Dequant, "unknown dense kernel ", dense);
+    TORCH_CHECK(dense != kInt8Dequant || small == kInt8, "the int8 dense path needs the int8 codes and scales");
     TORCH_CHECK(dense != kPanelsWidened || panel_gemm::available(), "this build has no AVX2 panel GEMM");
-    TORCH_CHECK(small >= kNone && small <= kQ4, "unknown small-batch kernel ", small);
+    TORCH_CHECK(small >= kNone && small <= kInt8, "unknown small-batch kernel ", small);
     if (small != kNone) {
       TORCH_CHECK(small_a.has_value() && small_b.has_value(), "a small-batch kernel needs its two tensors");
       this->small_a = *small_a;
@@ -87,6 +89,8 @@ struct Projection {
       at::Tensor y;
       if (small == kInt4) {
         y = at::_weight_int4pack_mm_for_cpu(x.contiguous(), small_a, 32, small_b);
+      } else if (small == kInt8) {
+        y = at::_weight_int8pack_mm(x.contiguous(), small_a, small_b);
       } else if (small == kQ4) {
         RECORD_FUNCTION("pagedllm::q4_linear", std::vector<c10::IValue>());
         y = q4_linear(x, small_a, small_b).to(x.scalar_type());
@@ -102,6 +106,8 @@ struct Projection {
       case kPackedWidened:
       case kPanelsWidened:
         return widened(x.to(at::kFloat)).to(x.scalar_type());
+      case kInt8Dequant:  // quantization="int8" above max_rows: the weight dequantized for this call
+        return at::linear(x, small_a.to(x.scalar_type()) * small_b.to(x.scalar_type()).unsqueeze(1), bias);
       default:
         return at::linear(x, weight, bias);
     }
