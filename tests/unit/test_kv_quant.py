@@ -157,14 +157,15 @@ def test_backends_without_a_format_refuse_it_naming_it(name):
 
 
 
-def quantized_case(name: str, dtype: torch.dtype, ctx_and_new, num_heads: int = 8, seed: int = 5):
+def quantized_case(name: str, dtype: torch.dtype, ctx_and_new, num_heads: int = 8, seed: int = 5,
+                   head_dim: int = HEAD_DIM):
     """A paged case whose prefix is stored in format ``name`` (by the reference), and a copy of it."""
-    k, v, query, new_k, new_v, meta, _ = build_case(ctx_and_new, 16, num_heads, 2, dtype, seed=seed)
-    codec = KVCodec(name, HEAD_DIM)
-    spec = KVSpec(codec.dtype, 2, HEAD_DIM, 16, 1, "per_token_head", name)
+    k, v, query, new_k, new_v, meta, _ = build_case(ctx_and_new, 16, num_heads, 2, dtype, seed=seed, head_dim=head_dim)
+    codec = KVCodec(name, head_dim)
+    spec = KVSpec(codec.dtype, 2, head_dim, 16, 1, "per_token_head", name)
     kv = LayerKV.allocate(spec, k.shape[0])
     slots = torch.arange(k.shape[0] * 16)
-    ReferenceBackend(HEAD_DIM ** -0.5).write_kv(kv, k.view(-1, 2, HEAD_DIM), v.view(-1, 2, HEAD_DIM),
+    ReferenceBackend(head_dim ** -0.5).write_kv(kv, k.view(-1, 2, head_dim), v.view(-1, 2, head_dim),
                                                  type("M", (), {"slot_mapping": slots, "has_padding_slots": False}))
     twin = LayerKV(*(t.clone() for t in kv.tensors), codec=kv.codec)
     return kv, twin, query, new_k, new_v, meta
@@ -175,16 +176,25 @@ def same_bytes(a: LayerKV, b: LayerKV) -> bool:
 
 
 @pytest.mark.parametrize("name", QUANTIZED_FORMATS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_cpu_kernel_stores_the_references_bytes_and_attends_as_it(name, dtype):
+@pytest.mark.parametrize(("dtype", "num_heads", "head_dim"), [
+    (torch.float32, 8, 64),    # decodes of G = 4 rows per kv head: the few-row path on AVX-512
+    (torch.bfloat16, 8, 64),
+    (torch.float32, 14, 64),   # G = 7: two row groups (4 + 3)
+    (torch.float32, 24, 64),   # G = 12: decodes in the generic loop (as every tile on AVX2)
+    (torch.bfloat16, 2, 128),  # G = 1, head size 128
+])
+def test_the_cpu_kernel_stores_the_references_bytes_and_attends_as_it(name, dtype, num_heads, head_dim):
     from pagedllm.attention.cpu_kernel import CpuBackend, load_cpu_kernel
 
     ops = load_cpu_kernel()
     if ops is None:
         pytest.skip("the C++ kernel cannot be built here")
-    # decodes (1 row: G = 4 rows per kv head), a fresh prefill, chunks over a cached prefix, 2 tiles
-    kv, twin, query, new_k, new_v, meta = quantized_case(name, dtype, [(40, 1), (70, 1), (9, 9), (33, 5), (50, 20)])
-    scale = HEAD_DIM ** -0.5
+    # decodes (1 row), a fresh prefill, chunks over a cached prefix, 2 tiles; a decode at a block's
+    # first key and one that fills it
+    kv, twin, query, new_k, new_v, meta = quantized_case(
+        name, dtype, [(40, 1), (70, 1), (17, 1), (32, 1), (9, 9), (33, 5), (50, 20)], num_heads=num_heads,
+        head_dim=head_dim)
+    scale = head_dim ** -0.5
     expected = ReferenceBackend(scale).store_and_attend(query, new_k, new_v, kv, meta)
     out = CpuBackend(scale, ops).store_and_attend(query, new_k, new_v, twin, meta)
     assert same_bytes(kv, twin)
@@ -236,3 +246,30 @@ def test_the_cpu_backend_reads_every_quantized_format_for_its_head_sizes():
     backend.check_kv_spec(kv_spec_for(odd, 16, "int8", torch.float32), torch.float32)
     with pytest.raises(ConfigError, match="power-of-two head size"):
         backend.check_kv_spec(kv_spec_for(odd, 16, "int4", torch.float32), torch.float32)
+
+
+@pytest.mark.parametrize("name", QUANTIZED_FORMATS)
+def test_fresh_bf16_prefills_over_a_quantized_cache_through_sdpa(name):
+    """Where fresh bf16 prefills go through torch's SDPA (AMX; set here on every family), a quantized
+    layer's are attended over its stored rows decoded (int4 rotated back): the reference's output;
+    the other sequences in the batch keep the kernel."""
+    from pagedllm import cpu_features
+    from pagedllm.attention.cpu_kernel import CpuBackend, dense_prefill_rows, load_cpu_kernel
+
+    ops = load_cpu_kernel()
+    if ops is None:
+        pytest.skip("the C++ kernel cannot be built here")
+    kv, twin, query, new_k, new_v, meta = quantized_case(name, torch.bfloat16, [(40, 40), (30, 1), (17, 17), (33, 5)],
+                                                         num_heads=6)
+    scale = HEAD_DIM ** -0.5
+    expected = ReferenceBackend(scale).store_and_attend(query, new_k, new_v, kv, meta)
+    backend = CpuBackend(scale, ops)  # sets this family's own setting
+    try:
+        ops.set_dense_prefill_min_rows(16)
+        with torch.profiler.profile() as prof:
+            out = backend.store_and_attend(query, new_k, new_v, twin, meta)
+    finally:
+        ops.set_dense_prefill_min_rows(dense_prefill_rows(cpu_features.current()))
+    assert sum(e.count for e in prof.key_averages() if e.key == "aten::scaled_dot_product_attention") == 2
+    assert same_bytes(kv, twin)
+    torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)

@@ -30,19 +30,21 @@ def dense_attention(q, k, v, ctx):
     return out.transpose(0, 1)
 
 
-def build_case(ctx_and_new, block_size, num_heads, num_kv_heads, dtype, seed=0):
-    """Random sequences written into a shuffled paged cache. Returns what the backend needs."""
+def build_case(ctx_and_new, block_size, num_heads, num_kv_heads, dtype, seed=0, head_dim=None):
+    """Random sequences written into a shuffled paged cache. Returns what the backend needs.
+    ``head_dim``: the module's ``HEAD_DIM`` (read at the call: tests patch it) unless given."""
+    head_dim = HEAD_DIM if head_dim is None else head_dim
     gen = torch.Generator().manual_seed(seed)
     total_blocks = sum(-(-ctx // block_size) for ctx, _ in ctx_and_new) + 3
-    k_cache = torch.zeros(total_blocks, block_size, num_kv_heads, HEAD_DIM, dtype=dtype)
+    k_cache = torch.zeros(total_blocks, block_size, num_kv_heads, head_dim, dtype=dtype)
     v_cache = torch.zeros_like(k_cache)
     free = torch.randperm(total_blocks, generator=gen).tolist()
     seqs, chunks = [], []
     for i, (ctx, new) in enumerate(ctx_and_new):
         blocks = [free.pop() for _ in range(-(-ctx // block_size))]
-        k = torch.randn(ctx, num_kv_heads, HEAD_DIM, generator=gen).to(dtype)
-        v = torch.randn(ctx, num_kv_heads, HEAD_DIM, generator=gen).to(dtype)
-        q = torch.randn(new, num_heads, HEAD_DIM, generator=gen).to(dtype)
+        k = torch.randn(ctx, num_kv_heads, head_dim, generator=gen).to(dtype)
+        v = torch.randn(ctx, num_kv_heads, head_dim, generator=gen).to(dtype)
+        q = torch.randn(new, num_heads, head_dim, generator=gen).to(dtype)
         chunks.append(ScheduledChunk(str(i), [0] * new, ctx - new, blocks, True))
         seqs.append((q, k, v, ctx, blocks))
     # the cached prefix is written directly; the new tokens go through write_kv via the slot mapping

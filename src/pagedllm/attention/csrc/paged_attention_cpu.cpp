@@ -915,40 +915,278 @@ void attention_kernel(const T* q, const T* kc, const T* vc, T* out, const int64_
   });
 }
 
+#ifdef __AVX512F__
+// 16 codes of a quantized row -> their 16 values before the row's scale, in registers (decode_row's
+// values: fp8 through float16, whose bits hold e5m2's exactly and e4m3's shifted by 2^8; int4 from
+// 8 bytes, element 2i the low nibble of byte i).
+template <KVFormat F>
+inline __m512 load16_codes(const uint8_t* p);
+template <>
+inline __m512 load16_codes<KVFormat::kInt8>(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+template <>
+inline __m512 load16_codes<KVFormat::kFp8E5M2>(const uint8_t* p) {
+  const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm512_cvtph_ps(_mm256_slli_epi16(bytes, 8));
+}
+template <>
+inline __m512 load16_codes<KVFormat::kFp8E4M3>(const uint8_t* p) {
+  const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(bytes, _mm256_set1_epi16(0x80)), 8);
+  const __m256i rest = _mm256_slli_epi16(_mm256_and_si256(bytes, _mm256_set1_epi16(0x7F)), 7);
+  return _mm512_mul_ps(_mm512_cvtph_ps(_mm256_or_si256(sign, rest)), _mm512_set1_ps(256.f));
+}
+template <>
+inline __m512 load16_codes<KVFormat::kInt4>(const uint8_t* p) {
+  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  const __m128i low = _mm_and_si128(bytes, _mm_set1_epi8(0x0F));
+  const __m128i high = _mm_and_si128(_mm_srli_epi16(bytes, 4), _mm_set1_epi8(0x0F));
+  const __m512 codes = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(low, high)));
+  return _mm512_sub_ps(codes, _mm512_set1_ps(8.f));
+}
+
+// The few-row (decode) block step over quantized K/V, for R = 1-3 rows of one kv head: as
+// decode_block_avx512 with the rows' scales folded in. The block's K codes are widened to float32
+// once (kf), each row's 16 dot products summed (reduce16) and multiplied by the 16 keys' scales;
+// P V reads the V codes widened in registers, each value row once for all R rows, with p times
+// the row's V scale. ks, vs: the block's scales as float32, KP entries (0 past n).
+template <KVFormat F, int kD, int R>
+void decode_block_quant(const uint8_t* kb, const uint8_t* vb, int64_t stride, const float* ks, const float* vs,
+                        int64_t n, const int64_t* visible, const float* qf, float* sc, int64_t KP, float* kf,
+                        float* acc, float* m, float* l) {
+  constexpr int NV = kD / 16;
+  constexpr int64_t kStep = kPacked<F> ? 8 : 16;  // code bytes per 16 values
+  for (int64_t j = 0; j < n; ++j) {
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(kf + j * kD + 16 * v, load16_codes<F>(kb + j * stride + v * kStep));
+  }
+  for (int r = 0; r < R; ++r) {
+    v16 qv[NV];
+    for (int v = 0; v < NV; ++v) qv[v] = *reinterpret_cast<const v16*>(qf + r * kD + 16 * v);
+    for (int64_t jc = 0; jc < n; jc += 16) {
+      v16 part[16];
+      const int64_t count = std::min<int64_t>(16, n - jc);
+      for (int jj = 0; jj < 16; ++jj) {
+        if (jj < count) {
+          const v16* kr = reinterpret_cast<const v16*>(kf + (jc + jj) * kD);
+          v16 dot = qv[0] * kr[0];
+          for (int v = 1; v < NV; ++v) dot += qv[v] * kr[v];
+          part[jj] = dot;
+        } else {
+          part[jj] = v16{};
+        }
+      }
+      *reinterpret_cast<v16*>(sc + r * KP + jc) = reduce16(part) * *reinterpret_cast<const v16*>(ks + jc);
+    }
+  }
+  float alpha[R];
+  int64_t keys_seen = 0;
+  for (int r = 0; r < R; ++r) {
+    if (visible[r] > 0) {
+      alpha[r] = softmax_step(sc + r * KP, n, visible[r], m[r], l[r]);
+      keys_seen = std::max(keys_seen, visible[r]);
+    } else {
+      alpha[r] = 1.f;
+      std::fill(sc + r * KP, sc + r * KP + n, 0.f);
+    }
+  }
+  constexpr int C = NV < 4 ? NV : 4;
+  static_assert(NV % C == 0, "P V tiles cover the head dim");
+  for (int c0 = 0; c0 < NV; c0 += C) {
+    __m512 a[R][C];
+    for (int r = 0; r < R; ++r) {
+      const __m512 scale_old = _mm512_set1_ps(alpha[r]);
+      for (int i = 0; i < C; ++i) a[r][i] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * kD + 16 * (c0 + i)), scale_old);
+    }
+    for (int64_t jj = 0; jj < keys_seen; ++jj) {
+      __m512 p[R];
+      for (int r = 0; r < R; ++r) p[r] = _mm512_set1_ps(sc[r * KP + jj] * vs[jj]);
+      for (int i = 0; i < C; ++i) {
+        const __m512 vv = load16_codes<F>(vb + jj * stride + (c0 + i) * kStep);
+        for (int r = 0; r < R; ++r) a[r][i] = _mm512_fmadd_ps(p[r], vv, a[r][i]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      for (int i = 0; i < C; ++i) _mm512_storeu_ps(acc + r * kD + 16 * (c0 + i), a[r][i]);
+    }
+  }
+}
+#endif
+
+#ifndef __AVX512F__
+constexpr int kQuantTiledAbove = kScoreRows - 1;  // tiles of kScoreRows rows or more take the tiled path
+#endif
+
 // -- quantized KV (csrc/kv_codec.h): int8, fp8_e4m3, fp8_e5m2, int4 ---------------------------------
-// One work item = (query tile of one sequence, kv head), as above. Block by block, the item's kv
-// head's K and V rows are decoded into a block-sized float32 scratch (the cache is never copied
-// whole: one block of one head at a time, in L1), then every row of the tile takes the online-
-// softmax step over it: scores by 16-key dot-product vectors (reduce16), P V by FMAs. int4 rows
-// are stored rotated (fwht): the query is rotated alike and the output rotated back.
+// One work item = (query tile of one sequence, kv head), as above. A tile of at most 8 rows (a
+// decode token's G <= 8 heads) takes decode_block_quant block by block on AVX-512 (head sizes 64
+// and 128; rows in groups of up to 4, each group reading the blocks once), the next block's codes
+// fetched into L2 meanwhile. Any other tile: block by block, the
+// item's kv head's K and V rows are decoded into a block-sized float32 scratch (the cache is never
+// copied whole: one block of one head at a time, in L1), then every row of the tile takes the
+// online-softmax step over it: scores by 16-key dot-product vectors (reduce16), P V by FMAs. int4
+// rows are stored rotated (fwht): the query is rotated alike and the output rotated back.
 struct QuantScratch {
-  std::vector<float> qf, acc, m, l, scores, kf, vf;
+  std::vector<float> qf, acc, m, l, scores, kf, vf, ksf, vsf;
   int64_t KP;
   QuantScratch(int64_t rows, int64_t D, int64_t B)
       : qf(rows * D), acc(rows * D), m(rows), l(rows), scores(rows * round_up(B, 16)), kf(round_up(B, 16) * D, 0.f),
-        vf(B * D), KP(round_up(B, 16)) {}
+        vf(B * D), ksf(round_up(B, 16), 0.f), vsf(round_up(B, 16), 0.f), KP(round_up(B, 16)) {}
 };
+
+// K/V of the `wanted` sequences decoded (KVCodec's values: codes times their row's scale; int4 still
+// rotated) into ConvertedSeqs, as convert_sequences converts a float cache: once per call, for the
+// tiled path's many-row tiles.
+template <KVFormat F>
+ConvertedSeqs convert_sequences_quant(const uint8_t* kc, const uint8_t* vc, const c10::BFloat16* ks,
+                                      const c10::BFloat16* vs, const std::vector<char>& wanted,
+                                      const int64_t* seq_lens, const int64_t* tables, int64_t max_blocks, int64_t KH,
+                                      int64_t D, int64_t B) {
+  const int64_t S = static_cast<int64_t>(wanted.size()), CD = code_bytes<F>(D);
+  ConvertedSeqs c{D, std::vector<int64_t>(S, -1), std::vector<int64_t>(S, 0), {}, {}};
+  std::vector<std::pair<int64_t, int64_t>> blocks;  // (sequence, logical block)
+  int64_t total = 0;
+  for (int64_t s = 0; s < S; ++s) {
+    if (!wanted[s]) continue;
+    c.offset[s] = total;
+    c.len16[s] = round_up(seq_lens[s], 16);
+    total += KH * c.len16[s] * D;
+    for (int64_t b = 0; b * B < seq_lens[s]; ++b) blocks.push_back({s, b});
+  }
+  if (blocks.empty()) return c;
+  c.kt.assign(total, 0.f);
+  c.v.assign(total, 0.f);
+  const int64_t n_items = static_cast<int64_t>(blocks.size()) * KH;
+  at::parallel_for(0, n_items, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(D);
+    for (int64_t it = begin; it < end; ++it) {
+      const auto [seq, b] = blocks[it / KH];
+      const int64_t kh = it % KH, L16 = c.len16[seq];
+      const int64_t n = std::min<int64_t>(B, seq_lens[seq] - b * B);
+      const int64_t first_slot = tables[seq * max_blocks + b] * B;
+      float* kt = &c.kt[c.offset[seq] + kh * D * L16];
+      float* v = &c.v[c.offset[seq] + kh * L16 * D];
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t pos = b * B + j, i = (first_slot + j) * KH + kh;
+        decode_row<F>(kc + i * CD, static_cast<float>(ks[i]), row.data(), D);
+        float* kcol = kt + (pos / 16) * D * 16 + pos % 16;
+        for (int64_t d = 0; d < D; ++d) kcol[d * 16] = row[d];
+        decode_row<F>(vc + i * CD, static_cast<float>(vs[i]), v + pos * D, D);
+      }
+    }
+  });
+  return c;
+}
+
+#ifdef __AVX512F__
+constexpr int kQuantTiledAbove = 8;  // tiles of more rows take the tiled path (at most: decode_tile_quant)
+constexpr int kQuantFewRows = 8;  // tiles of at most this many rows take decode_tile_quant
+constexpr int kQuantRowGroup = 4;  // rows per decode_block_quant call (R x 4 accumulators + R + 1 registers)
+
+// Rows r0..r0+count-1 (count <= kQuantRowGroup) of a few-row tile of kv head kh over quantized K/V,
+// the tile's rows r at absolute position first_pos + r / G: set up by the caller (qf scaled and, for
+// int4, rotated; m, l, acc reset); leaves their unnormalised acc, m and l.
+template <KVFormat F, int kD>
+void decode_tile_quant(const uint8_t* kc, const uint8_t* vc, const c10::BFloat16* ks, const c10::BFloat16* vs,
+                       const int64_t* table, int64_t r0, int64_t count, int64_t first_pos, int64_t KH, int64_t G,
+                       int64_t B, int64_t kh, QuantScratch& s) {
+  constexpr int64_t CD = code_bytes<F>(kD);
+  constexpr void (*kBlock[])(const uint8_t*, const uint8_t*, int64_t, const float*, const float*, int64_t,
+                             const int64_t*, const float*, float*, int64_t, float*, float*, float*, float*) = {
+      decode_block_quant<F, kD, 1>, decode_block_quant<F, kD, 2>, decode_block_quant<F, kD, 3>,
+      decode_block_quant<F, kD, 4>};
+  const int64_t stride = KH * CD, block_stride = B * stride;
+  const int64_t last_key = first_pos + (r0 + count - 1) / G + 1;  // keys 0..last_key-1: visible to some row
+  const int64_t nblocks = (last_key + B - 1) / B;
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const int64_t n = std::min<int64_t>(B, last_key - b * B);
+    if (b + 1 < nblocks) {
+      const uint8_t* kn = kc + table[b + 1] * block_stride + kh * CD;
+      const uint8_t* vn = vc + table[b + 1] * block_stride + kh * CD;
+      for (int64_t j = 0; j < B; ++j) {
+        for (int64_t o = 0; o < CD; o += 64) {
+          __builtin_prefetch(kn + j * stride + o, 0, 2);
+          __builtin_prefetch(vn + j * stride + o, 0, 2);
+        }
+      }
+    }
+    const int64_t first_slot = table[b] * B;
+    for (int64_t j = 0; j < n; ++j) {
+      s.ksf[j] = static_cast<float>(ks[(first_slot + j) * KH + kh]);
+      s.vsf[j] = static_cast<float>(vs[(first_slot + j) * KH + kh]);
+    }
+    std::fill(s.ksf.begin() + n, s.ksf.end(), 0.f);
+    int64_t visible[kQuantRowGroup];
+    for (int64_t r = 0; r < count; ++r) visible[r] = std::min<int64_t>(n, first_pos + (r0 + r) / G - b * B + 1);
+    kBlock[count - 1](kc + table[b] * block_stride + kh * CD, vc + table[b] * block_stride + kh * CD, stride,
+                      s.ksf.data(), s.vsf.data(), n, visible, &s.qf[r0 * kD], &s.scores[r0 * s.KP], s.KP,
+                      s.kf.data(), &s.acc[r0 * kD], &s.m[r0], &s.l[r0]);
+  }
+}
+#endif
 
 template <KVFormat F, typename T>
 void attention_quant(const T* q, const uint8_t* kc, const uint8_t* vc, const c10::BFloat16* ks,
                      const c10::BFloat16* vs, T* out, const int64_t* qsl, const int64_t* seq_lens,
                      const int64_t* tables, int64_t num_seqs, int64_t max_blocks, int64_t H, int64_t KH, int64_t D,
-                     int64_t B, float scale) {
+                     int64_t B, float scale, const char* skip) {
   const int64_t G = H / KH, CD = code_bytes<F>(D), NV = D / 16;
   std::vector<Tile> tiles;
   for (int64_t s = 0; s < num_seqs; ++s) {
+    if (skip != nullptr && skip[s]) continue;  // attended elsewhere (dense_prefill_quant)
     for (int64_t r = qsl[s]; r < qsl[s + 1]; r += kQueryTile) {
       tiles.push_back({s, r, std::min<int64_t>(r + kQueryTile, qsl[s + 1])});
     }
   }
+  // many-row (prefill) tiles take the tiled GEMMs over their sequences' K/V decoded once per call
+  const bool gemm_dims = D == 64 || D == 128;
+  auto tiled_tile = [&](const Tile& t) { return gemm_dims && (t.q_end - t.q_begin) * G > kQuantTiledAbove; };
+  std::vector<char> wanted(num_seqs, 0);
+  bool any_tiled = false;
+  for (const Tile& t : tiles) {
+    if (tiled_tile(t)) wanted[t.seq] = any_tiled = true;
+  }
+  const ConvertedSeqs converted =
+      any_tiled ? convert_sequences_quant<F>(kc, vc, ks, vs, wanted, seq_lens, tables, max_blocks, KH, D, B)
+                : ConvertedSeqs{D, {}, {}, {}, {}};
+  // their queries as float32 (rotated for int4: the cache holds rotated rows) and float32 outputs
+  std::vector<float> q32, out32;
+  if (any_tiled) {
+    const int64_t rows_total = qsl[num_seqs] * H;
+    q32.resize(rows_total * D);
+    out32.resize(rows_total * D);
+    at::parallel_for(0, rows_total, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        to_float(q + r * D, &q32[r * D], static_cast<int>(D));
+        if constexpr (kRotated<F>) fwht(&q32[r * D], D);
+      }
+    });
+  }
   const int64_t num_items = static_cast<int64_t>(tiles.size()) * KH;
   at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
     QuantScratch s(kQueryTile * G, D, B);
+    std::unique_ptr<TiledScratch> tiled;  // made on a thread's first many-row tile
     for (int64_t it = begin; it < end; ++it) {
       const Tile& tile = tiles[it / KH];
       const int64_t kh = it % KH, seq = tile.seq;
       const int64_t nq = tile.q_end - tile.q_begin, rows = nq * G;
       const int64_t first_pos = seq_lens[seq] - (qsl[seq + 1] - qsl[seq]) + (tile.q_begin - qsl[seq]);
+      if (tiled_tile(tile)) {
+        if (!tiled) tiled = std::make_unique<TiledScratch>(kQueryTile * G, D);
+        if (D == 64) {
+          attend_tile_gemm<float, 64>(q32.data(), out32.data(), seq, tile.q_begin, nq, first_pos, H, G, kh, scale,
+                                      converted, *tiled);
+        } else {
+          attend_tile_gemm<float, 128>(q32.data(), out32.data(), seq, tile.q_begin, nq, first_pos, H, G, kh, scale,
+                                       converted, *tiled);
+        }
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t row = (tile.q_begin + r / G) * H + kh * G + r % G;
+          if constexpr (kRotated<F>) fwht(&out32[row * D], D);
+          from_float(&out32[row * D], out + row * D, static_cast<int>(D));
+        }
+        continue;
+      }
       for (int64_t r = 0; r < rows; ++r) {
         float* qr = &s.qf[r * D];
         to_float(q + ((tile.q_begin + r / G) * H + kh * G + r % G) * D, qr, static_cast<int>(D));
@@ -960,6 +1198,18 @@ void attention_quant(const T* q, const uint8_t* kc, const uint8_t* vc, const c10
       }
       const int64_t last_key = first_pos + nq;  // keys 0..last_key-1 are visible to some row
       const int64_t* table = tables + seq * max_blocks;
+#ifdef __AVX512F__
+      if (rows <= kQuantFewRows && (D == 64 || D == 128)) {
+        for (int64_t r0 = 0; r0 < rows; r0 += kQuantRowGroup) {
+          const int64_t count = std::min<int64_t>(kQuantRowGroup, rows - r0);
+          if (D == 64) {
+            decode_tile_quant<F, 64>(kc, vc, ks, vs, table, r0, count, first_pos, KH, G, B, kh, s);
+          } else {
+            decode_tile_quant<F, 128>(kc, vc, ks, vs, table, r0, count, first_pos, KH, G, B, kh, s);
+          }
+        }
+      } else
+#endif
       for (int64_t b = 0; b * B < last_key; ++b) {
         const int64_t n = std::min<int64_t>(B, last_key - b * B);
         for (int64_t j = 0; j < n; ++j) {
@@ -1109,6 +1359,54 @@ void dense_prefill(const torch::Tensor& query, const torch::Tensor& k_cache, con
   out.narrow(0, q0, L).copy_(o.squeeze(0).permute({1, 0, 2}));
 }
 
+// dense_prefill over a quantized layer: the sequence's L stored rows decoded (KVCodec's values; int4
+// rotated back, so the query is not rotated) and rounded to the query's dtype, then SDPA.
+template <KVFormat F>
+void dense_prefill_quant(const torch::Tensor& query, const pagedllm_cpu::LayerKV& kv, torch::Tensor& out, int64_t q0,
+                         int64_t L, const int64_t* table, double scale) {
+  const int64_t B = kv.k.size(1), KH = kv.k.size(2), D = query.size(2), CD = code_bytes<F>(D);
+  auto k = torch::empty({L, KH, D}, torch::kFloat), v = torch::empty({L, KH, D}, torch::kFloat);
+  const auto* kc = static_cast<const uint8_t*>(kv.k.data_ptr());
+  const auto* vc = static_cast<const uint8_t*>(kv.v.data_ptr());
+  const auto* ks = static_cast<const c10::BFloat16*>(kv.k_scale.data_ptr());
+  const auto* vs = static_cast<const c10::BFloat16*>(kv.v_scale.data_ptr());
+  float* kp = k.data_ptr<float>();
+  float* vp = v.data_ptr<float>();
+  at::parallel_for(0, L * KH, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t t = i / KH, h = i % KH, idx = (table[t / B] * B + t % B) * KH + h;
+      decode_row<F>(kc + idx * CD, static_cast<float>(ks[idx]), kp + i * D, D);
+      decode_row<F>(vc + idx * CD, static_cast<float>(vs[idx]), vp + i * D, D);
+      if constexpr (kRotated<F>) {
+        fwht(kp + i * D, D);
+        fwht(vp + i * D, D);
+      }
+    }
+  });
+  auto kq = k.to(query.scalar_type()).permute({1, 0, 2}).unsqueeze(0);
+  auto vq = v.to(query.scalar_type()).permute({1, 0, 2}).unsqueeze(0);
+  auto q = query.narrow(0, q0, L).permute({1, 0, 2}).unsqueeze(0);
+  auto o = at::scaled_dot_product_attention(q, kq, vq, {}, 0.0, /*is_causal=*/true, scale, /*enable_gqa=*/true);
+  out.narrow(0, q0, L).copy_(o.squeeze(0).permute({1, 0, 2}));
+}
+
+// Which sequences a call attends by dense_prefill: fresh prefills of at least dense_prefill_min_rows
+// rows with bf16 queries (set where SDPA's bf16 GEMMs beat the tiled kernel: AMX); none if empty.
+std::vector<char> dense_prefills(const torch::Tensor& query, const torch::Tensor& qsl, const torch::Tensor& lens) {
+  const int64_t S = lens.size(0), min_rows = dense_prefill_min_rows.load();
+  std::vector<char> dense(S, 0);
+  bool any_dense = false;
+  if (min_rows > 0 && query.scalar_type() == at::kBFloat16) {
+    const int64_t* q = qsl.data_ptr<int64_t>();
+    const int64_t* l = lens.data_ptr<int64_t>();
+    for (int64_t s = 0; s < S; ++s) {
+      dense[s] = q[s + 1] - q[s] >= min_rows && q[s + 1] - q[s] == l[s];
+      any_dense = any_dense || dense[s];
+    }
+  }
+  return any_dense ? dense : std::vector<char>{};
+}
+
 }  // namespace
 
 void set_dense_prefill_min_rows(int64_t rows) {
@@ -1129,17 +1427,9 @@ torch::Tensor attend(torch::Tensor query, const torch::Tensor& k_cache, const to
   const int64_t H = query.size(1), D = query.size(2), B = k_cache.size(1), KH = k_cache.size(2);
   TORCH_CHECK(H % KH == 0 && D == k_cache.size(3), "head shapes do not match the cache");
   check_layout(qsl, lens, tables, query.size(0), k_cache.size(0), B);
-  const int64_t S = lens.size(0), min_rows = dense_prefill_min_rows.load();
-  std::vector<char> dense(S, 0);
-  bool any_dense = false;
-  if (min_rows > 0 && query.scalar_type() == at::kBFloat16) {
-    const int64_t* q = qsl.data_ptr<int64_t>();
-    const int64_t* l = lens.data_ptr<int64_t>();
-    for (int64_t s = 0; s < S; ++s) {
-      dense[s] = q[s + 1] - q[s] >= min_rows && q[s + 1] - q[s] == l[s];
-      any_dense = any_dense || dense[s];
-    }
-  }
+  const int64_t S = lens.size(0);
+  const std::vector<char> dense = dense_prefills(query, qsl, lens);
+  const bool any_dense = !dense.empty();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_attention", [&] {
     auto run = [&](auto kernel) {
       kernel(query.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
@@ -1213,6 +1503,7 @@ torch::Tensor attend_quant(torch::Tensor query, const pagedllm_cpu::LayerKV& kv,
   auto tables = block_tables.to(torch::kLong).contiguous();
   check_layout(qsl, lens, tables, query.size(0), kv.k.size(0), B);
   auto out = torch::empty_like(query);
+  const std::vector<char> dense = dense_prefills(query, qsl, lens);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_attention_quant", [&] {
     with_kv_format(kv.k, [&](auto format) {
       attention_quant<decltype(format)::value, scalar_t>(
@@ -1220,9 +1511,18 @@ torch::Tensor attend_quant(torch::Tensor query, const pagedllm_cpu::LayerKV& kv,
           static_cast<const uint8_t*>(kv.v.data_ptr()), static_cast<const c10::BFloat16*>(kv.k_scale.data_ptr()),
           static_cast<const c10::BFloat16*>(kv.v_scale.data_ptr()), out.data_ptr<scalar_t>(), qsl.data_ptr<int64_t>(),
           lens.data_ptr<int64_t>(), tables.data_ptr<int64_t>(), lens.size(0), tables.size(1), H, KH, D, B,
-          static_cast<float>(scale));
+          static_cast<float>(scale), dense.empty() ? nullptr : dense.data());
     });
   });
+  for (int64_t s = 0; s < static_cast<int64_t>(dense.size()); ++s) {
+    if (dense[s]) {
+      const int64_t q0 = qsl.data_ptr<int64_t>()[s];
+      with_kv_format(kv.k, [&](auto format) {
+        dense_prefill_quant<decltype(format)::value>(query, kv, out, q0, qsl.data_ptr<int64_t>()[s + 1] - q0,
+                                                     tables.data_ptr<int64_t>() + s * tables.size(1), scale);
+      });
+    }
+  }
   return out;
 }
 
