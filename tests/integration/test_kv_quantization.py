@@ -120,3 +120,12 @@ def test_a_format_measured_over_2_percent_says_so_when_the_engine_is_built(tiny,
         engine(tiny, "fp8_e4m3")
     warned = [r.message for r in caplog.records if "perplexity" in r.message]
     assert len(warned) == 1 and "kv_cache_dtype=fp8_e5m2" in warned[0]
+
+
+def test_the_triton_backend_reads_the_quantized_cache_as_the_reference(tiny):
+    """int4 (rotated, two codes a byte) under TRITON_INTERPRET=1 here, compiled on a GPU: the same
+    tokens as the reference backend (every format's kernel: tests/unit/test_triton_kernel.py)."""
+    triton = engine(tiny, "int4", attention_backend="triton")
+    assert triton.engine.runner.backend.name == "triton"
+    prompts, short = PROMPTS[1:], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)  # interpreted: slow
+    assert run(triton, prompts, short) == run(engine(tiny, "int4", attention_backend="reference"), prompts, short)

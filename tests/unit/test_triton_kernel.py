@@ -13,6 +13,7 @@ import torch
 from pagedllm.attention.base import AttentionBackend
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.triton_kernel import TritonBackend
+from pagedllm.kvstore.quant import QUANTIZED_FORMATS
 from pagedllm.kvstore.spec import LayerKV
 from tests.unit.test_reference_attention import HEAD_DIM, assert_matches_reference, run_and_compare
 
@@ -29,13 +30,19 @@ class OnCuda(AttentionBackend):
         self.name = inner.name
 
     def write_kv(self, kv: LayerKV, key, value, meta: AttentionMetadata) -> None:
-        on_gpu = LayerKV(kv.k.cuda(), kv.v.cuda())
+        on_gpu = on_cuda(kv)
         self.inner.write_kv(on_gpu, key.cuda(), value.cuda(), metadata_on_cuda(meta))
-        kv.k.copy_(on_gpu.k)
-        kv.v.copy_(on_gpu.v)
+        for mine, theirs in zip(kv.tensors, on_gpu.tensors, strict=True):
+            mine.copy_(theirs)
 
     def forward(self, query, kv: LayerKV, meta: AttentionMetadata) -> torch.Tensor:
-        return self.inner.forward(query.cuda(), LayerKV(kv.k.cuda(), kv.v.cuda()), metadata_on_cuda(meta)).cpu()
+        return self.inner.forward(query.cuda(), on_cuda(kv), metadata_on_cuda(meta)).cpu()
+
+
+def on_cuda(kv: LayerKV) -> LayerKV:
+    """The layer's tensors (scales too) copied to the GPU, its codec kept."""
+    return LayerKV(kv.k.cuda(), kv.v.cuda(), *(None if t is None else t.cuda() for t in (kv.k_scale, kv.v_scale)),
+                   codec=kv.codec)
 
 
 def metadata_on_cuda(meta: AttentionMetadata) -> AttentionMetadata:
@@ -88,3 +95,20 @@ def test_store_skips_padding_slots(backend):
     backend.write_kv(LayerKV(k_cache, v_cache), key, key * 2, meta)
     flat = k_cache.view(8, 1, 2)
     assert flat[5].eq(1).all() and flat[0].eq(1).all() and flat[[1, 2, 3, 4, 6, 7]].eq(0).all()
+
+
+@pytest.mark.parametrize("name", QUANTIZED_FORMATS)
+def test_quantized_kv_is_stored_and_read_as_the_reference_does(backend, name):
+    """Every quantized format: the reference's bytes (the torch codec writes them), and the output of
+    attention over the decoded cache (int4: the query rotated, the output rotated back), for
+    decodes at a block's first and last key, a fresh prefill and a chunk over a cached prefix."""
+    from pagedllm.attention.reference import ReferenceBackend
+    from tests.unit.test_kv_quant import quantized_case, same_bytes
+
+    kv, twin, query, new_k, new_v, meta = quantized_case(name, torch.float32, [(17, 1), (32, 1), (9, 9), (33, 5)],
+                                                         num_heads=4)
+    scale = HEAD_DIM ** -0.5
+    expected = ReferenceBackend(scale).store_and_attend(query, new_k, new_v, kv, meta)
+    out = backend.store_and_attend(query, new_k, new_v, twin, meta)
+    assert same_bytes(kv, twin)
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-4)

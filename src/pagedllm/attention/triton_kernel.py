@@ -7,6 +7,12 @@ normaliser are rescaled by ``exp(m_old - m_new)`` (the log-sum-exp merge). So on
 decode (one token per sequence) and prefill over a cached prefix (many). ``store_kv_kernel``
 writes new K/V rows into their slots, skipping padding (slot < 0).
 
+A quantized KV format (``kvstore/quant.py``) is read by ``paged_attention_quant_kernel``: the same
+walk, each block's codes decoded in registers and times their scales (no float copy of the cache);
+int4's rotation is applied to the query and undone on the output with R loaded as a [D, D] tile.
+Its rows are written by the torch codec (``KVCodec``: a handful of elementwise ops, the
+reference's bytes exactly), not by a Triton store kernel.
+
 On a machine without a GPU the kernels run under ``TRITON_INTERPRET=1`` (set before this module
 is imported) on CPU tensors; loads are upcast to float32 right away, since the interpreter
 mishandles bfloat16 arithmetic.
@@ -20,6 +26,8 @@ import triton.language as tl
 
 from pagedllm.attention.base import AttentionBackend
 from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.attention.reference import write_kv as reference_write_kv
+from pagedllm.kvstore.quant import QUANTIZED_FORMATS, rotation
 from pagedllm.kvstore.spec import LayerKV
 
 
@@ -75,15 +83,93 @@ def paged_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, token_seq_p
     tl.store(out_ptr + (t * H + h) * D + d, out.to(out_ptr.dtype.element_ty), mask=dmask)
 
 
+@triton.jit
+def _codes_to_float(codes, shift, FORMAT: tl.constexpr):
+    """Stored codes -> their values before the row's scale (KVCodec.decode's): int8 as is; fp8 through
+    float16, whose bits hold e5m2's exactly and e4m3's shifted by 2^8; int4 the nibble at ``shift``
+    minus 8 (the bytes come as uint8)."""
+    if FORMAT == 0:
+        return codes.to(tl.float32)
+    elif FORMAT == 1:
+        b = codes.to(tl.uint16)
+        bits = ((b & 0x80) << 8) | ((b & 0x7F) << 7)
+        return bits.to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+    elif FORMAT == 2:
+        return (codes.to(tl.uint16) << 8).to(tl.float16, bitcast=True).to(tl.float32)
+    else:
+        return (((codes >> shift) & 0xF).to(tl.int32) - 8).to(tl.float32)
+
+
+@triton.jit
+def paged_attention_quant_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, rot_ptr, out_ptr, token_seq_ptr, token_pos_ptr,
+                                 tables_ptr, scale, max_blocks, H: tl.constexpr, KH: tl.constexpr, D: tl.constexpr,
+                                 D_P2: tl.constexpr, B: tl.constexpr, CD: tl.constexpr, FORMAT: tl.constexpr,
+                                 ROTATED: tl.constexpr):
+    """``paged_attention_kernel`` over quantized K/V (kvstore/quant.py): each block's code rows of the
+    token's kv head are loaded and decoded in registers, times their bf16 scales; a rotated format
+    (int4) takes the query rotated by ``rot`` (R, [D, D]) and rotates the output back (R^T)."""
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    kh = h // (H // KH)
+    seq = tl.load(token_seq_ptr + t)
+    pos = tl.load(token_pos_ptr + t)
+    d = tl.arange(0, D_P2)
+    dmask = d < D
+    j = tl.arange(0, B)
+    q = tl.load(q_ptr + (t * H + h) * D + d, mask=dmask, other=0.0).to(tl.float32) * scale
+    square = dmask[:, None] & dmask[None, :]
+    if ROTATED:
+        rot = tl.load(rot_ptr + d[:, None] * D + d[None, :], mask=square, other=0.0)
+        q = tl.sum(q[:, None] * rot, axis=0)  # q @ R
+    if FORMAT == 3:
+        byte = d // 2
+        shift = (d % 2) * 4
+    else:
+        byte = d
+        shift = d * 0
+    m = tl.full((), float("-inf"), tl.float32)
+    l_sum = tl.zeros((), tl.float32)
+    acc = tl.zeros((D_P2,), tl.float32)
+    num_blocks = pos // B + 1
+    for b in range(0, num_blocks):
+        block = tl.load(tables_ptr + seq * max_blocks + b)
+        key_pos = b * B + j
+        kmask = key_pos <= pos
+        rows = (block * B + j) * KH + kh  # the rows' index among the pool's code rows and scales
+        offs = rows[:, None] * CD + byte[None, :]
+        lmask = kmask[:, None] & dmask[None, :]
+        k_scale = tl.load(ks_ptr + rows, mask=kmask, other=0.0).to(tl.float32)
+        v_scale = tl.load(vs_ptr + rows, mask=kmask, other=0.0).to(tl.float32)
+        k = _codes_to_float(tl.load(k_ptr + offs, mask=lmask, other=0), shift[None, :], FORMAT) * k_scale[:, None]
+        v = _codes_to_float(tl.load(v_ptr + offs, mask=lmask, other=0), shift[None, :], FORMAT) * v_scale[:, None]
+        s = tl.sum(k * q[None, :], axis=1)
+        s = tl.where(kmask, s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=0))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new)
+        l_sum = l_sum * alpha + tl.sum(p, axis=0)
+        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+        m = m_new
+    out = acc / l_sum
+    if ROTATED:
+        rot_t = tl.load(rot_ptr + d[None, :] * D + d[:, None], mask=square, other=0.0)
+        out = tl.sum(out[:, None] * rot_t, axis=0)  # out @ R^T
+    tl.store(out_ptr + (t * H + h) * D + d, out.to(out_ptr.dtype.element_ty), mask=dmask)
+
+
 class TritonBackend(AttentionBackend):
     """Paged attention through Triton kernels; same interface as the reference."""
 
     name = "triton"
+    quant_formats = QUANTIZED_FORMATS
 
     def __init__(self, scale: float) -> None:
         self.scale = scale
 
     def write_kv(self, kv: LayerKV, key, value, meta: AttentionMetadata) -> None:
+        if kv.codec is not None:  # the torch codec's elementwise ops: the reference's bytes exactly
+            reference_write_kv(kv, key, value, meta.slot_mapping, meta.has_padding_slots)
+            return
         k_cache, v_cache = kv.k, kv.v
         row = k_cache.shape[2] * k_cache.shape[3]
         key = key.to(k_cache.dtype).contiguous()
@@ -92,6 +178,8 @@ class TritonBackend(AttentionBackend):
                                          ROW_P2=triton.next_power_of_2(row))
 
     def forward(self, query: torch.Tensor, kv: LayerKV, meta: AttentionMetadata) -> torch.Tensor:
+        if kv.codec is not None:
+            return self._forward_quantized(query, kv, meta)
         k_cache, v_cache = kv.k, kv.v
         num_tokens, heads, dim = query.shape
         token_seq, token_pos = _token_layout(meta, query.device)
@@ -101,6 +189,25 @@ class TritonBackend(AttentionBackend):
             meta.block_tables.shape[1], H=heads, KH=k_cache.shape[2], D=dim, D_P2=triton.next_power_of_2(dim),
             B=k_cache.shape[1])
         return out
+
+
+    def _forward_quantized(self, query: torch.Tensor, kv: LayerKV, meta: AttentionMetadata) -> torch.Tensor:
+        codec = kv.codec
+        num_tokens, heads, dim = query.shape
+        token_seq, token_pos = _token_layout(meta, query.device)
+        out = torch.empty_like(query)
+        k, v = kv.k, kv.v
+        if k.dtype.is_floating_point:  # fp8: read as bytes, decoded in the kernel
+            k, v = k.view(torch.uint8), v.view(torch.uint8)
+        rot = rotation(dim).to(query.device) if codec.rotated else torch.zeros(1, device=query.device)
+        paged_attention_quant_kernel[(num_tokens, heads)](
+            query.contiguous(), k, v, kv.k_scale, kv.v_scale, rot, out, token_seq, token_pos, meta.block_tables,
+            self.scale, meta.block_tables.shape[1], H=heads, KH=k.shape[2], D=dim, D_P2=triton.next_power_of_2(dim),
+            B=k.shape[1], CD=k.shape[3], FORMAT=_FORMAT_IDS[codec.name], ROTATED=codec.rotated)
+        return out
+
+
+_FORMAT_IDS = {"int8": 0, "fp8_e4m3": 1, "fp8_e5m2": 2, "int4": 3}  # _codes_to_float's FORMAT
 
 
 def _token_layout(meta: AttentionMetadata, device) -> tuple[torch.Tensor, torch.Tensor]:
