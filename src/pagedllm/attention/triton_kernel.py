@@ -46,6 +46,16 @@ def store_kv_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, ROW:
 
 
 @triton.jit
+def _merge_block(s, v, m, l_sum, acc):
+    """One block's scores ``s`` (masked keys -inf) and values ``v`` merged into the running max,
+    normaliser and unnormalised output: the log-sum-exp rescaling by ``exp(m_old - m_new)``."""
+    m_new = tl.maximum(m, tl.max(s, axis=0))
+    alpha = tl.exp(m - m_new)
+    p = tl.exp(s - m_new)
+    return m_new, l_sum * alpha + tl.sum(p, axis=0), acc * alpha + tl.sum(p[:, None] * v, axis=0)
+
+
+@triton.jit
 def paged_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, token_seq_ptr, token_pos_ptr, tables_ptr,
                            scale, max_blocks, H: tl.constexpr, KH: tl.constexpr, D: tl.constexpr,
                            D_P2: tl.constexpr, B: tl.constexpr):
@@ -72,13 +82,7 @@ def paged_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, token_seq_p
         k = tl.load(k_cache_ptr + offs, mask=lmask, other=0.0).to(tl.float32)
         v = tl.load(v_cache_ptr + offs, mask=lmask, other=0.0).to(tl.float32)
         s = tl.sum(k * q[None, :], axis=1)
-        s = tl.where(kmask, s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=0))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new)
-        l_sum = l_sum * alpha + tl.sum(p, axis=0)
-        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
-        m = m_new
+        m, l_sum, acc = _merge_block(tl.where(kmask, s, float("-inf")), v, m, l_sum, acc)
     out = acc / l_sum
     tl.store(out_ptr + (t * H + h) * D + d, out.to(out_ptr.dtype.element_ty), mask=dmask)
 
@@ -143,13 +147,7 @@ def paged_attention_quant_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, rot_ptr, o
         k = _codes_to_float(tl.load(k_ptr + offs, mask=lmask, other=0), shift[None, :], FORMAT) * k_scale[:, None]
         v = _codes_to_float(tl.load(v_ptr + offs, mask=lmask, other=0), shift[None, :], FORMAT) * v_scale[:, None]
         s = tl.sum(k * q[None, :], axis=1)
-        s = tl.where(kmask, s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=0))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new)
-        l_sum = l_sum * alpha + tl.sum(p, axis=0)
-        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
-        m = m_new
+        m, l_sum, acc = _merge_block(tl.where(kmask, s, float("-inf")), v, m, l_sum, acc)
     out = acc / l_sum
     if ROTATED:
         rot_t = tl.load(rot_ptr + d[None, :] * D + d[:, None], mask=square, other=0.0)

@@ -216,6 +216,25 @@ inline float softmax_step(float* sr, int64_t n, int64_t visible, float& m, float
 #endif
 }
 
+// The online-softmax step of R few rows over a block's scores (sc, R rows of KP): each row that
+// sees a key of the block (visible[r] > 0) gets its p values and alpha[r]; the others p = 0 and
+// alpha 1 (left as they are). Returns how many keys any row sees (the P V loop's length).
+template <int R>
+inline int64_t softmax_rows(float* sc, int64_t KP, int64_t n, const int64_t* visible, float* m, float* l,
+                            float* alpha) {
+  int64_t keys = 0;
+  for (int r = 0; r < R; ++r) {
+    if (visible[r] > 0) {
+      alpha[r] = softmax_step(sc + r * KP, n, visible[r], m[r], l[r]);
+      keys = std::max(keys, visible[r]);
+    } else {
+      alpha[r] = 1.f;
+      std::fill(sc + r * KP, sc + r * KP + n, 0.f);
+    }
+  }
+  return keys;
+}
+
 #if defined(__AVX2__) && !defined(__AVX512F__)
 // 8 stored K/V values -> 8 floats, in registers (float32, bfloat16 and float16 caches)
 template <typename T>
@@ -238,6 +257,33 @@ inline __m256 load8<c10::Half>(const c10::Half* p) {
 inline __m128 hsum4x8(__m256 a, __m256 b, __m256 c, __m256 d) {
   const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
   return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+}
+
+// acc (R rows of kD) = alpha[r] * acc + sum over the first `keys` value rows j of weight(r, j) *
+// value(j, c) for each 8-float chunk c of row j (widened in registers): register tiles of R rows x
+// 4 chunks, each value row read once for all R rows, one FMA per key in key order.
+template <int kD, int R, typename Value, typename Weight>
+inline void pv_tiles_avx2(float* acc, const float* alpha, int64_t keys, Value value, Weight weight) {
+  static_assert(kD % 32 == 0, "P V tiles of 32 dims");
+  constexpr int NV = kD / 8, C = 4;  // 8-float registers per row in one P V tile
+  for (int c0 = 0; c0 < NV; c0 += C) {
+    __m256 a[R][C];
+    for (int r = 0; r < R; ++r) {
+      const __m256 scale_old = _mm256_set1_ps(alpha[r]);
+      for (int i = 0; i < C; ++i) a[r][i] = _mm256_mul_ps(_mm256_loadu_ps(acc + r * kD + 8 * (c0 + i)), scale_old);
+    }
+    for (int64_t jj = 0; jj < keys; ++jj) {
+      __m256 p[R];
+      for (int r = 0; r < R; ++r) p[r] = _mm256_set1_ps(weight(r, jj));
+      for (int i = 0; i < C; ++i) {
+        const __m256 vv = value(jj, c0 + i);
+        for (int r = 0; r < R; ++r) a[r][i] = _mm256_fmadd_ps(p[r], vv, a[r][i]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      for (int i = 0; i < C; ++i) _mm256_storeu_ps(acc + r * kD + 8 * (c0 + i), a[r][i]);
+    }
+  }
 }
 
 // The few-row (decode) path's block step on AVX2, for R = 1-3 rows of one kv head: K and V are
@@ -279,36 +325,9 @@ void decode_block_avx2(const T* kb, const T* vb, int64_t row_stride, int64_t n, 
     for (int r = 0; r < R; ++r) sc[r * KP + j] = hsum8(s[r]);
   }
   float alpha[R];
-  int64_t keys = 0;
-  for (int r = 0; r < R; ++r) {
-    if (visible[r] > 0) {
-      alpha[r] = softmax_step(sc + r * KP, n, visible[r], m[r], l[r]);
-      keys = std::max(keys, visible[r]);
-    } else {
-      alpha[r] = 1.f;
-      std::fill(sc + r * KP, sc + r * KP + n, 0.f);
-    }
-  }
-  static_assert(kD % 32 == 0, "P V tiles of 32 dims");
-  constexpr int C = 4;  // 8-float registers per row in one P V tile
-  for (int c0 = 0; c0 < NV; c0 += C) {
-    __m256 a[R][C];
-    for (int r = 0; r < R; ++r) {
-      const __m256 scale_old = _mm256_set1_ps(alpha[r]);
-      for (int i = 0; i < C; ++i) a[r][i] = _mm256_mul_ps(_mm256_loadu_ps(acc + r * kD + 8 * (c0 + i)), scale_old);
-    }
-    for (int64_t jj = 0; jj < keys; ++jj) {
-      __m256 p[R];
-      for (int r = 0; r < R; ++r) p[r] = _mm256_broadcast_ss(sc + r * KP + jj);
-      for (int i = 0; i < C; ++i) {
-        const __m256 vv = load8(vb + jj * row_stride + 8 * (c0 + i));
-        for (int r = 0; r < R; ++r) a[r][i] = _mm256_fmadd_ps(p[r], vv, a[r][i]);
-      }
-    }
-    for (int r = 0; r < R; ++r) {
-      for (int i = 0; i < C; ++i) _mm256_storeu_ps(acc + r * kD + 8 * (c0 + i), a[r][i]);
-    }
-  }
+  const int64_t keys = softmax_rows<R>(sc, KP, n, visible, m, l, alpha);
+  pv_tiles_avx2<kD, R>(acc, alpha, keys, [&](int64_t j, int c) { return load8(vb + j * row_stride + 8 * c); },
+                       [&](int r, int64_t j) { return sc[r * KP + j]; });
 }
 #endif
 
@@ -328,6 +347,32 @@ inline __m512 load16<c10::BFloat16>(const c10::BFloat16* p) {
 template <>
 inline __m512 load16<c10::Half>(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// pv_tiles_avx2 on AVX-512: 16-float chunks, up to 4 per tile.
+template <int kD, int R, typename Value, typename Weight>
+inline void pv_tiles_avx512(float* acc, const float* alpha, int64_t keys, Value value, Weight weight) {
+  constexpr int NV = kD / 16;
+  constexpr int C = NV < 4 ? NV : 4;  // 16-float registers per row in one P V tile
+  static_assert(NV % C == 0, "P V tiles cover the head dim");
+  for (int c0 = 0; c0 < NV; c0 += C) {
+    __m512 a[R][C];
+    for (int r = 0; r < R; ++r) {
+      const __m512 scale_old = _mm512_set1_ps(alpha[r]);
+      for (int i = 0; i < C; ++i) a[r][i] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * kD + 16 * (c0 + i)), scale_old);
+    }
+    for (int64_t jj = 0; jj < keys; ++jj) {
+      __m512 p[R];
+      for (int r = 0; r < R; ++r) p[r] = _mm512_set1_ps(weight(r, jj));
+      for (int i = 0; i < C; ++i) {
+        const __m512 vv = value(jj, c0 + i);
+        for (int r = 0; r < R; ++r) a[r][i] = _mm512_fmadd_ps(p[r], vv, a[r][i]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      for (int i = 0; i < C; ++i) _mm512_storeu_ps(acc + r * kD + 16 * (c0 + i), a[r][i]);
+    }
+  }
 }
 
 // The few-row (decode) path's block step on AVX-512, for R = 1-3 rows of one kv head. Q K^T: per
@@ -401,36 +446,10 @@ void decode_block_avx512(const T* kb, const T* vb, int64_t row_stride, int64_t n
     }
   }
   float alpha[R];
-  int64_t keys_seen = 0;
-  for (int r = 0; r < R; ++r) {
-    if (visible[r] > 0) {
-      alpha[r] = softmax_step(sc + r * KP, n, visible[r], m[r], l[r]);
-      keys_seen = std::max(keys_seen, visible[r]);
-    } else {
-      alpha[r] = 1.f;
-      std::fill(sc + r * KP, sc + r * KP + n, 0.f);
-    }
-  }
-  constexpr int C = NV < 4 ? NV : 4;  // 16-float registers per row in one P V tile
-  static_assert(NV % C == 0, "P V tiles cover the head dim");
-  for (int c0 = 0; c0 < NV; c0 += C) {
-    __m512 a[R][C];
-    for (int r = 0; r < R; ++r) {
-      const __m512 scale_old = _mm512_set1_ps(alpha[r]);
-      for (int i = 0; i < C; ++i) a[r][i] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * kD + 16 * (c0 + i)), scale_old);
-    }
-    for (int64_t jj = 0; jj < keys_seen; ++jj) {
-      __m512 p[R];
-      for (int r = 0; r < R; ++r) p[r] = _mm512_set1_ps(sc[r * KP + jj]);
-      for (int i = 0; i < C; ++i) {
-        const __m512 vv = load16(vb + jj * row_stride + 16 * (c0 + i));
-        for (int r = 0; r < R; ++r) a[r][i] = _mm512_fmadd_ps(p[r], vv, a[r][i]);
-      }
-    }
-    for (int r = 0; r < R; ++r) {
-      for (int i = 0; i < C; ++i) _mm512_storeu_ps(acc + r * kD + 16 * (c0 + i), a[r][i]);
-    }
-  }
+  const int64_t keys_seen = softmax_rows<R>(sc, KP, n, visible, m, l, alpha);
+  pv_tiles_avx512<kD, R>(acc, alpha, keys_seen,
+                         [&](int64_t j, int c) { return load16(vb + j * row_stride + 16 * c); },
+                         [&](int r, int64_t j) { return sc[r * KP + j]; });
 }
 #endif
 
@@ -980,40 +999,89 @@ void decode_block_quant(const uint8_t* kb, const uint8_t* vb, int64_t stride, co
     }
   }
   float alpha[R];
-  int64_t keys_seen = 0;
-  for (int r = 0; r < R; ++r) {
-    if (visible[r] > 0) {
-      alpha[r] = softmax_step(sc + r * KP, n, visible[r], m[r], l[r]);
-      keys_seen = std::max(keys_seen, visible[r]);
-    } else {
-      alpha[r] = 1.f;
-      std::fill(sc + r * KP, sc + r * KP + n, 0.f);
-    }
-  }
-  constexpr int C = NV < 4 ? NV : 4;
-  static_assert(NV % C == 0, "P V tiles cover the head dim");
-  for (int c0 = 0; c0 < NV; c0 += C) {
-    __m512 a[R][C];
-    for (int r = 0; r < R; ++r) {
-      const __m512 scale_old = _mm512_set1_ps(alpha[r]);
-      for (int i = 0; i < C; ++i) a[r][i] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * kD + 16 * (c0 + i)), scale_old);
-    }
-    for (int64_t jj = 0; jj < keys_seen; ++jj) {
-      __m512 p[R];
-      for (int r = 0; r < R; ++r) p[r] = _mm512_set1_ps(sc[r * KP + jj] * vs[jj]);
-      for (int i = 0; i < C; ++i) {
-        const __m512 vv = load16_codes<F>(vb + jj * stride + (c0 + i) * kStep);
-        for (int r = 0; r < R; ++r) a[r][i] = _mm512_fmadd_ps(p[r], vv, a[r][i]);
-      }
-    }
-    for (int r = 0; r < R; ++r) {
-      for (int i = 0; i < C; ++i) _mm512_storeu_ps(acc + r * kD + 16 * (c0 + i), a[r][i]);
-    }
-  }
+  const int64_t keys_seen = softmax_rows<R>(sc, KP, n, visible, m, l, alpha);
+  pv_tiles_avx512<kD, R>(acc, alpha, keys_seen,
+                         [&](int64_t j, int c) { return load16_codes<F>(vb + j * stride + c * kStep); },
+                         [&](int r, int64_t j) { return sc[r * KP + j] * vs[j]; });
 }
 #endif
 
-#ifndef __AVX512F__
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// 8 codes of a quantized row -> their 8 values before the row's scale (load16_codes' AVX2 twin).
+template <KVFormat F>
+inline __m256 load8_codes(const uint8_t* p);
+template <>
+inline __m256 load8_codes<KVFormat::kInt8>(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+template <>
+inline __m256 load8_codes<KVFormat::kFp8E5M2>(const uint8_t* p) {
+  const __m128i bytes = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_cvtph_ps(_mm_slli_epi16(bytes, 8));
+}
+template <>
+inline __m256 load8_codes<KVFormat::kFp8E4M3>(const uint8_t* p) {
+  const __m128i bytes = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m128i sign = _mm_slli_epi16(_mm_and_si128(bytes, _mm_set1_epi16(0x80)), 8);
+  const __m128i rest = _mm_slli_epi16(_mm_and_si128(bytes, _mm_set1_epi16(0x7F)), 7);
+  return _mm256_mul_ps(_mm256_cvtph_ps(_mm_or_si128(sign, rest)), _mm256_set1_ps(256.f));
+}
+template <>
+inline __m256 load8_codes<KVFormat::kInt4>(const uint8_t* p) {  // 4 bytes, two codes each
+  int32_t word;
+  std::memcpy(&word, p, sizeof(word));
+  const __m128i bytes = _mm_cvtsi32_si128(word);
+  const __m128i low = _mm_and_si128(bytes, _mm_set1_epi8(0x0F));
+  const __m128i high = _mm_and_si128(_mm_srli_epi16(bytes, 4), _mm_set1_epi8(0x0F));
+  const __m256 codes = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpacklo_epi8(low, high)));
+  return _mm256_sub_ps(codes, _mm256_set1_ps(8.f));
+}
+
+// decode_block_quant on AVX2, for R = 1-3 rows: decode_block_avx2's register tiles over the codes,
+// widened in registers (no float32 copy of the block): scores 4 keys at a time times their K
+// scales, P V with p times the V scale. kf is unused.
+template <KVFormat F, int kD, int R>
+void decode_block_quant(const uint8_t* kb, const uint8_t* vb, int64_t stride, const float* ks, const float* vs,
+                        int64_t n, const int64_t* visible, const float* qf, float* sc, int64_t KP, float*,
+                        float* acc, float* m, float* l) {
+  constexpr int NV = kD / 8;
+  constexpr int64_t kStep = kPacked<F> ? 4 : 8;  // code bytes per 8 values
+  int64_t j = 0;
+  for (; j + 4 <= n; j += 4) {
+    __m256 s[R][4];
+    for (int r = 0; r < R; ++r) {
+      for (int jj = 0; jj < 4; ++jj) s[r][jj] = _mm256_setzero_ps();
+    }
+    for (int v = 0; v < NV; ++v) {
+      __m256 qv[R];
+      for (int r = 0; r < R; ++r) qv[r] = _mm256_loadu_ps(qf + r * kD + 8 * v);
+      for (int jj = 0; jj < 4; ++jj) {
+        const __m256 k = load8_codes<F>(kb + (j + jj) * stride + v * kStep);
+        for (int r = 0; r < R; ++r) s[r][jj] = _mm256_fmadd_ps(qv[r], k, s[r][jj]);
+      }
+    }
+    const __m128 k_scale = _mm_loadu_ps(ks + j);
+    for (int r = 0; r < R; ++r) {
+      _mm_storeu_ps(sc + r * KP + j, _mm_mul_ps(hsum4x8(s[r][0], s[r][1], s[r][2], s[r][3]), k_scale));
+    }
+  }
+  for (; j < n; ++j) {
+    __m256 s[R];
+    for (int r = 0; r < R; ++r) s[r] = _mm256_setzero_ps();
+    for (int v = 0; v < NV; ++v) {
+      const __m256 k = load8_codes<F>(kb + j * stride + v * kStep);
+      for (int r = 0; r < R; ++r) s[r] = _mm256_fmadd_ps(_mm256_loadu_ps(qf + r * kD + 8 * v), k, s[r]);
+    }
+    for (int r = 0; r < R; ++r) sc[r * KP + j] = hsum8(s[r]) * ks[j];
+  }
+  float alpha[R];
+  const int64_t keys = softmax_rows<R>(sc, KP, n, visible, m, l, alpha);
+  pv_tiles_avx2<kD, R>(acc, alpha, keys, [&](int64_t j, int c) { return load8_codes<F>(vb + j * stride + c * kStep); },
+                       [&](int r, int64_t j) { return sc[r * KP + j] * vs[j]; });
+}
+#endif
+
+#if !defined(__AVX512F__) && !defined(__AVX2__)
 constexpr int kQuantTiledAbove = kScoreRows - 1;  // tiles of kScoreRows rows or more take the tiled path
 #endif
 
@@ -1078,10 +1146,14 @@ ConvertedSeqs convert_sequences_quant(const uint8_t* kc, const uint8_t* vc, cons
   return c;
 }
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
 constexpr int kQuantTiledAbove = 8;  // tiles of more rows take the tiled path (at most: decode_tile_quant)
 constexpr int kQuantFewRows = 8;  // tiles of at most this many rows take decode_tile_quant
-constexpr int kQuantRowGroup = 4;  // rows per decode_block_quant call (R x 4 accumulators + R + 1 registers)
+#ifdef __AVX512F__
+constexpr int kQuantRowGroup = 4;  // rows per decode_block_quant call (R x 4 accumulators + R + 1 of 32 registers)
+#else
+constexpr int kQuantRowGroup = 3;  // (R x 4 accumulators + R + 1 of AVX2's 16 registers)
+#endif
 
 // Rows r0..r0+count-1 (count <= kQuantRowGroup) of a few-row tile of kv head kh over quantized K/V,
 // the tile's rows r at absolute position first_pos + r / G: set up by the caller (qf scaled and, for
@@ -1093,8 +1165,12 @@ void decode_tile_quant(const uint8_t* kc, const uint8_t* vc, const c10::BFloat16
   constexpr int64_t CD = code_bytes<F>(kD);
   constexpr void (*kBlock[])(const uint8_t*, const uint8_t*, int64_t, const float*, const float*, int64_t,
                              const int64_t*, const float*, float*, int64_t, float*, float*, float*, float*) = {
+#ifdef __AVX512F__
       decode_block_quant<F, kD, 1>, decode_block_quant<F, kD, 2>, decode_block_quant<F, kD, 3>,
       decode_block_quant<F, kD, 4>};
+#else
+      decode_block_quant<F, kD, 1>, decode_block_quant<F, kD, 2>, decode_block_quant<F, kD, 3>};
+#endif
   const int64_t stride = KH * CD, block_stride = B * stride;
   const int64_t last_key = first_pos + (r0 + count - 1) / G + 1;  // keys 0..last_key-1: visible to some row
   const int64_t nblocks = (last_key + B - 1) / B;
@@ -1198,7 +1274,7 @@ void attention_quant(const T* q, const uint8_t* kc, const uint8_t* vc, const c10
       }
       const int64_t last_key = first_pos + nq;  // keys 0..last_key-1 are visible to some row
       const int64_t* table = tables + seq * max_blocks;
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
       if (rows <= kQuantFewRows && (D == 64 || D == 128)) {
         for (int64_t r0 = 0; r0 < rows; r0 += kQuantRowGroup) {
           const int64_t count = std::min<int64_t>(kQuantRowGroup, rows - r0);
