@@ -1,7 +1,8 @@
 """The one folder where pagedllm keeps what it builds or converts once: converted GGUF weights,
 tokenizers built from GGUFs, and C++ extensions built on demand.
 
-``$PAGEDLLM_CACHE_DIR`` when set, else ``~/.cache/pagedllm``.
+``$PAGEDLLM_CACHE_DIR`` when set, else ``~/.cache/pagedllm``. A converted GGUF whose file has
+changed or gone is removed when another conversion is written (``loader.drop_stale_gguf_caches``).
 """
 
 from __future__ import annotations

@@ -65,3 +65,29 @@ def test_default_model_keeps_its_blocks_and_dense_weights_agree():
     for name in ("model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
                  "model.layers.29.mlp.down_proj.weight"):
         assert torch.equal(w.quantized[name].dequantize(), w.state_dict[name])
+
+
+def test_the_gguf_cache_keeps_only_folders_a_load_can_use(tmp_path, monkeypatch):
+    """A new cache folder drops those of GGUFs that changed or are gone (a new .venv moves the default
+    model) and those of older cache versions; the current one is what the next load reads."""
+    import os
+    import shutil
+
+    from pagedllm.models.loader import default_model_path, gguf_cache_key, load_weights
+
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
+    root = tmp_path / "cache" / "gguf"
+    old_version = root / "0123456789abcdef"  # written before source.json existed
+    old_version.mkdir(parents=True)
+    (old_version / "weights.safetensors").write_bytes(b"stale")
+    model = tmp_path / "model.gguf"
+    shutil.copy(default_model_path(), model)
+    first = load_weights(model)
+    assert sorted(f.name for f in root.iterdir()) == [gguf_cache_key(model)]
+    st = model.stat()
+    os.utime(model, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # the file changed: a new key
+    load_weights(model)
+    assert sorted(f.name for f in root.iterdir()) == [gguf_cache_key(model)]
+    again = load_weights(model)  # from the cache
+    assert torch.equal(again.state_dict["model.norm.weight"], first.state_dict["model.norm.weight"])
+    assert set(again.quantized) == set(first.quantized)

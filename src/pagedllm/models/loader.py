@@ -105,7 +105,8 @@ def load_weights(path: Path, use_cache: bool = True) -> LoadedWeights:
 
 
 # -- GGUF cache ---------------------------------------------------------------------------------
-GGUF_CACHE_VERSION = 2  # 2: + GGUF codes/scales of Q4_0/Q4_1/Q8_0 tensors
+GGUF_CACHE_VERSION = 3  # 2: + GGUF codes/scales of Q4_0/Q4_1/Q8_0 tensors; 3: + source.json
+SOURCE_FILE = "source.json"  # in each cache folder: the GGUF it was made from (for drop_stale_gguf_caches)
 
 
 def gguf_cache_key(path: Path) -> str:
@@ -145,13 +146,39 @@ def _load_gguf_cached(path: Path) -> LoadedWeights:
             entries.update({k: v.contiguous() for k, v in q.tensors(name).items()})
         save_file(entries, str(tmp / "weights.safetensors"))
         (tmp / "model_config.json").write_text(json.dumps(dataclasses.asdict(loaded.config)))
+        (tmp / SOURCE_FILE).write_text(json.dumps({"path": str(path.resolve())}))
         if folder.exists():
             shutil.rmtree(tmp)
         else:
             tmp.replace(folder)
+        drop_stale_gguf_caches()
     except OSError as e:
         log.warning("could not cache the dequantized GGUF at %s: %s", folder, e)
     return loaded
+
+
+def drop_stale_gguf_caches() -> list[str]:
+    """Remove the GGUF cache folders no load can use again: those whose GGUF is gone or has changed
+    (its key is no longer the folder's name: a new ``.venv`` holds the default model at a new path
+    and time, ~0.7 GB each) and those of older cache versions (no ``source.json``). Called when a
+    new folder has been written; a folder being written (``.tmp``) is left alone. Returns the names
+    removed."""
+    removed = []
+    root = cache_dir() / "gguf"
+    for folder in root.iterdir() if root.is_dir() else ():
+        if not folder.is_dir() or ".tmp" in folder.name:
+            continue
+        try:
+            source = Path(json.loads((folder / SOURCE_FILE).read_text())["path"])
+            stale = not source.is_file() or gguf_cache_key(source) != folder.name
+        except (OSError, ValueError, KeyError, TypeError):
+            stale = True  # an older cache version, or a damaged folder
+        if stale:
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder.name)
+    if removed:
+        log.info("removed %d stale GGUF cache folder(s) from %s", len(removed), root)
+    return removed
 
 
 # -- GGUF ---------------------------------------------------------------------------------------
