@@ -150,6 +150,11 @@ class CacheConfig:
         "auto", description="KV cache format: auto (the model's dtype), float32, bfloat16, float16, or int8, "
                             "fp8_e4m3, fp8_e5m2, int4 (Hadamard-rotated), scaled per token and KV head; "
                             "see docs/kv_quantization.md")
+    kv_cache_scales: Annotated[float, Field(gt=0, allow_inf_nan=False)] | str | None = Field(
+        None, description="static scales for a quantized KV format instead of one computed per row on write: "
+                          "a number (every layer's K and V) or a JSON file {\"k_scale\": ..., \"v_scale\": ...} "
+                          "(a number, one per layer, or one per layer and KV head); x ~= code * scale, as vLLM's "
+                          "k_scale/v_scale")
 
 
 @pydantic_dataclass(frozen=True, config=_STRICT)

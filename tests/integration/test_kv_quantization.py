@@ -4,7 +4,10 @@ and a contiguous pool; the pool holds blocks by the format's bytes; nothing leak
 
 from __future__ import annotations
 
+import json
+
 import pytest
+import torch
 
 from pagedllm import LLM, BeamSearchParams, SamplingParams
 from pagedllm.attention.cpu_kernel import load_cpu_kernel
@@ -129,3 +132,40 @@ def test_the_triton_backend_reads_the_quantized_cache_as_the_reference(tiny):
     assert triton.engine.runner.backend.name == "triton"
     prompts, short = PROMPTS[1:], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)  # interpreted: slow
     assert run(triton, prompts, short) == run(engine(tiny, "int4", attention_backend="reference"), prompts, short)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3", "int4"])
+def test_static_scales_fill_every_written_row_and_every_path_reads_them_alike(tiny, tmp_path, kv_cache_dtype):
+    """kv_cache_scales: each layer's K and V rows carry its static scale (the tiny model: 2 layers,
+    2 KV heads); the tokens stay the same with and without the prefix cache and chunking, and on
+    the C++ and reference backends."""
+    path = tmp_path / "scales.json"
+    path.write_text(json.dumps({"k_scale": [[0.05, 0.06], 0.07], "v_scale": 0.04}))
+    backends = ["reference"] + (["cpu"] if load_cpu_kernel() is not None else [])
+    results = []
+    for backend in backends:
+        llm = engine(tiny, kv_cache_dtype, attention_backend=backend, kv_cache_scales=str(path))
+        results.append(run(llm))
+        if backend == "cpu":  # the C++ layer loop stores the rows, with the static scales
+            assert llm.engine.runner.model._stack is not None
+        layers = llm.engine.runner.kv.layers
+        used = layers[0].k_scale.view(-1, 2).float().abs().sum(1) > 0  # the slots written: scales never 0
+        assert int(used.sum()) > 40
+        expect = {0: ([0.05, 0.06], [0.04, 0.04]), 1: ([0.07, 0.07], [0.04, 0.04])}
+        for i, (k, v) in expect.items():
+            ks, vs = layers[i].k_scale.view(-1, 2)[used], layers[i].v_scale.view(-1, 2)[used]
+            assert torch.equal(ks, torch.tensor(k).to(torch.bfloat16).expand_as(ks))
+            assert torch.equal(vs, torch.tensor(v).to(torch.bfloat16).expand_as(vs))
+        results.append(run(engine(tiny, kv_cache_dtype, attention_backend=backend, kv_cache_scales=str(path),
+                                  enable_prefix_caching=False, max_num_batched_tokens=8)))
+    assert all(r == results[0] for r in results)
+
+
+def test_static_scales_are_refused_for_a_float_cache_and_when_malformed(tiny, tmp_path):
+    with pytest.raises(ConfigError, match="static scales are for the quantized KV formats.*kv_cache_dtype=float32"):
+        engine(tiny, "float32", kv_cache_scales=0.1)
+    (tmp_path / "s.json").write_text(json.dumps({"k_scale": [1, 2, 3], "v_scale": 1}))
+    with pytest.raises(ConfigError, match="k_scale lists 3 layers, the model has 2"):
+        engine(tiny, "int8", kv_cache_scales=str(tmp_path / "s.json"))
+    with pytest.raises(ConfigError, match="kv_cache_scales"):
+        engine(tiny, "int8", kv_cache_scales=-2.0)

@@ -15,7 +15,7 @@ from pagedllm.cli import engine_options, make_parser
 from pagedllm.config import EngineOptions, option_choices, option_fields
 
 # values for options whose default says nothing of a valid value (None, or a str with few values)
-SAMPLES = {"model": "org/some-model", "device": "cpu"}
+SAMPLES = {"model": "org/some-model", "device": "cpu", "kv_cache_scales": "kv_scales.json"}
 
 
 def commands(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):

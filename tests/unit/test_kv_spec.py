@@ -123,7 +123,8 @@ def test_the_cpu_kernel_refuses_scaled_kv_at_its_own_door():
         ops.paged_attention(query, scaled.tensors, meta.query_start_loc, meta.seq_lens, meta.block_tables, 0.25)
     with pytest.raises(RuntimeError, match="reads K/V without scales"):
         ops.store_kv(new_k, new_v, scaled.tensors, meta.slot_mapping)
-    with pytest.raises(RuntimeError, match=r"\(k, v\) or \(k, v, k_scale, v_scale\)"):
+    layouts = r"\(k, v\), \(k, v, k_scale, v_scale\) or \(k, v, k_scale, v_scale, static_scales\)"
+    with pytest.raises(RuntimeError, match=layouts):
         ops.paged_attention(query, [k], meta.query_start_loc, meta.seq_lens, meta.block_tables, 0.25)
 
 
@@ -135,4 +136,4 @@ def test_the_kernel_abi_capsule_is_the_layer_kv_version():
 
     get_name = ctypes.pythonapi.PyCapsule_GetName
     get_name.restype, get_name.argtypes = ctypes.c_char_p, [ctypes.py_object]
-    assert get_name(ops.rope_store_attend_fn) == b"pagedllm.rope_store_attend.v2"
+    assert get_name(ops.rope_store_attend_fn) == b"pagedllm.rope_store_attend.v3"

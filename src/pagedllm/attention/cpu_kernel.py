@@ -69,20 +69,20 @@ class CpuBackend(AttentionBackend):
                               f"power-of-two head size here, not {spec.head_dim}")
 
     def write_kv(self, kv: LayerKV, key, value, meta: AttentionMetadata) -> None:
-        self.ops.store_kv(key, value, kv.tensors, meta.slot_mapping)
+        self.ops.store_kv(key, value, kv.kernel_tensors, meta.slot_mapping)
 
     def forward(self, query: torch.Tensor, kv: LayerKV, meta: AttentionMetadata) -> torch.Tensor:
-        return self.ops.paged_attention(query, kv.tensors, meta.query_start_loc, meta.seq_lens,
+        return self.ops.paged_attention(query, kv.kernel_tensors, meta.query_start_loc, meta.seq_lens,
                                         meta.block_tables, self.scale)
 
     def rope_store_attend(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
                           kv: LayerKV, meta: AttentionMetadata, num_heads: int) -> torch.Tensor:
         """One call into C++ per layer: RoPE on q/k, K/V stored into their slots, attention."""
-        return self.ops.rope_store_attend(qkv, cos, sin, positions, kv.tensors, meta.slot_mapping,
+        return self.ops.rope_store_attend(qkv, cos, sin, positions, kv.kernel_tensors, meta.slot_mapping,
                                           meta.query_start_loc, meta.seq_lens, meta.block_tables, self.scale,
                                           num_heads)
 
     def store_and_attend(self, query, key, value, kv: LayerKV, meta: AttentionMetadata) -> torch.Tensor:
         """One call into C++: store the new K/V rows into their slots, then attend."""
-        return self.ops.store_and_attend(query, key, value, kv.tensors, meta.slot_mapping,
+        return self.ops.store_and_attend(query, key, value, kv.kernel_tensors, meta.slot_mapping,
                                          meta.query_start_loc, meta.seq_lens, meta.block_tables, self.scale)

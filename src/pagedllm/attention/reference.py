@@ -35,8 +35,9 @@ def write_kv(kv: LayerKV, key: torch.Tensor, value: torch.Tensor, slot_mapping: 
         kv.k.view(nb * bs, h, d).index_copy_(0, slot_mapping, key.to(kv.dtype))
         kv.v.view(nb * bs, h, d).index_copy_(0, slot_mapping, value.to(kv.dtype))
         return
-    for cache, scales, rows in ((kv.k, kv.k_scale, key), (kv.v, kv.v_scale, value)):
-        codes, scale = codec.encode(codec.rotate(rows))
+    fixed = (None, None) if kv.static_scales is None else kv.static_scales.to(key.device)
+    for cache, scales, rows, static in ((kv.k, kv.k_scale, key, fixed[0]), (kv.v, kv.v_scale, value, fixed[1])):
+        codes, scale = codec.encode(codec.rotate(rows), static)
         as_movable(cache).view(nb * bs, h, d).index_copy_(0, slot_mapping, as_movable(codes))
         scales.view(nb * bs, h).index_copy_(0, slot_mapping, scale)
 

@@ -15,15 +15,19 @@
 namespace pagedllm_cpu {
 
 // One layer's K/V: k and v [num_blocks, block_size, kv_heads, head_dim] and, where the format has
-// them, float32 scales [num_blocks, kv_heads] (undefined tensors where it has none). Python hands
-// it over as LayerKV.tensors: (k, v) or (k, v, k_scale, v_scale).
+// them, scales (undefined tensors where it has none), and the quantized formats' static scales,
+// float32 [2, kv_heads] (K's row, V's row: the kv_cache_scales option; undefined where each row's
+// scale is computed when written). Python hands it over as LayerKV.kernel_tensors: (k, v),
+// (k, v, k_scale, v_scale) or (k, v, k_scale, v_scale, static_scales).
 struct LayerKV {
-  torch::Tensor k, v, k_scale, v_scale;
+  torch::Tensor k, v, k_scale, v_scale, static_scales;
 
   static LayerKV from_tensors(const std::vector<torch::Tensor>& t) {
-    TORCH_CHECK(t.size() == 2 || t.size() == 4, "a layer's KV is (k, v) or (k, v, k_scale, v_scale), got ",
+    TORCH_CHECK(t.size() == 2 || t.size() == 4 || t.size() == 5,
+                "a layer's KV is (k, v), (k, v, k_scale, v_scale) or (k, v, k_scale, v_scale, static_scales), got ",
                 t.size(), " tensors");
-    return t.size() == 2 ? LayerKV{t[0], t[1], {}, {}} : LayerKV{t[0], t[1], t[2], t[3]};
+    if (t.size() == 2) return LayerKV{t[0], t[1], {}, {}, {}};
+    return LayerKV{t[0], t[1], t[2], t[3], t.size() == 5 ? t[4] : torch::Tensor()};
   }
   bool has_scales() const { return k_scale.defined(); }
 };
@@ -33,6 +37,6 @@ using RopeStoreAttendFn = torch::Tensor (*)(torch::Tensor qkv, torch::Tensor cos
                                             torch::Tensor query_start_loc, torch::Tensor seq_lens,
                                             torch::Tensor block_tables, double scale, int64_t num_heads);
 
-inline constexpr const char* kRopeStoreAttendCapsule = "pagedllm.rope_store_attend.v2";
+inline constexpr const char* kRopeStoreAttendCapsule = "pagedllm.rope_store_attend.v3";
 
 }  // namespace pagedllm_cpu

@@ -7,6 +7,7 @@
 //   fp8_e5m2  clamped to +-57344, cast to float8_e5m2;
 //   int4      the row first rotated (fwht), then round, clamp to +-7, + 8, two per byte, element
 //             2i in the low nibble.
+// A static scale (kv_cache_scales) replaces absmax / qmax; the rest is the same.
 // Decoding multiplies each value by the row's scale (int4: the result is still rotated; the
 // attention kernel rotates the query alike and its output back). Every step is the float32
 // operation torch performs in KVCodec, in the same order, so the C++ store writes the bytes the
@@ -68,12 +69,15 @@ inline void fwht(float* x, int64_t n) {
   for (int64_t j = 0; j < n; ++j) x[j] *= s;
 }
 
-// One float32 row (already rotated for int4) -> its codes and scale.
+// One float32 row (already rotated for int4) -> its codes and scale: bf16(absmax / qmax), or
+// bf16(fixed) where a static scale is given (fixed > 0: kv_cache_scales; values beyond saturate).
 template <KVFormat F>
-inline void encode_row(const float* x, int64_t n, uint8_t* codes, c10::BFloat16* scale) {
+inline void encode_row(const float* x, int64_t n, uint8_t* codes, c10::BFloat16* scale, float fixed = 0.f) {
   float amax = 0.f;
-  for (int64_t d = 0; d < n; ++d) amax = std::max(amax, std::fabs(x[d]));
-  const c10::BFloat16 s(amax / kQmax<F>);
+  if (fixed <= 0.f) {
+    for (int64_t d = 0; d < n; ++d) amax = std::max(amax, std::fabs(x[d]));
+  }
+  const c10::BFloat16 s(fixed > 0.f ? fixed : amax / kQmax<F>);
   *scale = s;
   const float sf = static_cast<float>(s);
   const float inv = sf > 0.f ? 1.f / sf : 0.f;

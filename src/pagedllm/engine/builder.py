@@ -109,6 +109,10 @@ def build_engine(options: EngineOptions | None = None, **overrides) -> Engine:
     engine = Engine(config, net, tokenizer, backend)
     if (warning := accuracy_warning(engine.kv_spec.kv_cache_dtype)) is not None:
         log.warning(warning)
+    if config.cache.kv_cache_scales is not None:
+        heads = engine.runner.kv.layers[0].static_scales
+        log.info("kv_cache_scales: %s KV rows encoded with static scales (layer 0: K %s, V %s)",
+                 engine.kv_spec.kv_cache_dtype, heads[0].tolist(), heads[1].tolist())
     engine.load_seconds = load_seconds
     engine.kernel_plan = plan
     engine.model_path = path

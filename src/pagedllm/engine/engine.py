@@ -36,7 +36,7 @@ from pagedllm.kvcache.block_map import block_map
 from pagedllm.kvcache.factory import make_kv_manager
 from pagedllm.kvstore.host_tier import HostTier
 from pagedllm.kvstore.spec import KVSpec, kv_spec_for
-from pagedllm.kvstore.storage import KVCacheStorage, num_blocks_for
+from pagedllm.kvstore.storage import KVCacheStorage, num_blocks_for, static_kv_scales
 from pagedllm.models.kernel_plan import KernelPlan
 from pagedllm.models.llama import LlamaForCausalLM
 from pagedllm.models.tokenizer import Tokenizer
@@ -65,7 +65,7 @@ class Engine:
         self.kv_manager = make_kv_manager(cc, num_blocks, config.scheduler.max_model_len, num_host_blocks)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager)
         self.inputs = InputProcessor(tokenizer, config.model.vocab_size, config.scheduler.max_logprobs, self.scheduler)
-        storage = KVCacheStorage.allocate(spec, num_blocks, config.device)
+        storage = KVCacheStorage.allocate(spec, num_blocks, config.device, static_kv_scales(cc, spec))
         host = HostTier(storage, num_host_blocks) if num_host_blocks else None
         self.runner = ModelRunner(model, storage, backend, torch.device(config.device), host)
         eos = set(config.model.eos_token_ids)

@@ -147,10 +147,15 @@ class KVCodec:
             return fwht(y.float()).to(y.dtype)
         return (y.float() @ rotation(self.head_dim).to(y.device).T).to(y.dtype)
 
-    def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows ``[..., head_dim]`` (already rotated, for a rotated format) -> (codes, scales)."""
+    def encode(self, x: torch.Tensor, static_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows ``[..., head_dim]`` (already rotated, for a rotated format) -> (codes, scales).
+        ``static_scale`` (``kvstore/static_scales.py``: one per KV head, broadcast over the rows'
+        leading dimensions) replaces the computed ``absmax / qmax``; values beyond it saturate."""
         xf = x.float()
-        scale = (xf.abs().amax(dim=-1) / self.qmax).to(SCALE_DTYPE)
+        if static_scale is None:
+            scale = (xf.abs().amax(dim=-1) / self.qmax).to(SCALE_DTYPE)
+        else:
+            scale = static_scale.to(SCALE_DTYPE).expand(xf.shape[:-1]).contiguous()
         s = scale.float()
         inv = torch.where(s > 0, 1.0 / s, torch.zeros_like(s)).unsqueeze(-1)
         y = xf * inv

@@ -9,7 +9,8 @@ the pool's block count follows the format. ``LayerKV`` is one layer's tensors in
   ``block_id * block_size + offset`` indexes the flattened first two dimensions;
 - ``k_scale``, ``v_scale``: ``scale_layout="per_token_head"`` (the quantized formats of
   ``kvstore/quant.py``, ``quant`` naming which): bfloat16 ``[num_blocks, block_size, num_kv_heads]``,
-  one scale per token row; ``"per_block_head"``: float32 ``[num_blocks, num_kv_heads]``; None where
+  one scale per token row (computed on write, or the layer's ``static_scales`` where the
+  ``kv_cache_scales`` option fixes them); ``"per_block_head"``: float32 ``[num_blocks, num_kv_heads]``; None where
   the format has none. A packed format (``int4``) stores ``head_dim // 2`` bytes per row.
 
 Everything that moves blocks (the storage's copy-on-write, the host tier's swaps) moves every
@@ -146,7 +147,12 @@ class LayerKV:
     k_scale: torch.Tensor | None = None
     v_scale: torch.Tensor | None = None
     codec: KVCodec | None = None  # how the stored codes decode (a quantized format), or None
+    # kv_cache_scales (kvstore/static_scales.py): float32 [2, kv_heads], K's row then V's, used
+    # instead of scales computed on write; None: computed. Not indexed by block: never moved.
+    static_scales: torch.Tensor | None = None
     tensors: tuple[torch.Tensor, ...] = field(init=False, repr=False)  # every tensor, block ids first
+    # what the C++ kernels take: ``tensors``, then the static scales where there are some
+    kernel_tensors: tuple[torch.Tensor, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         if (self.k_scale is None) != (self.v_scale is None):
@@ -156,20 +162,31 @@ class LayerKV:
                              f"{self.v.dtype} differ")
         if (self.codec is not None) != (self.k_scale is not None and self.k_scale.dim() == 3):
             raise ValueError("LayerKV: a quantized format has per-token scales, and only it")
+        if self.static_scales is not None:
+            heads = self.k.shape[2]
+            if self.codec is None:
+                raise ValueError("LayerKV: static scales are for a quantized KV format (int8, fp8, int4)")
+            if self.static_scales.shape != (2, heads) or self.static_scales.dtype != torch.float32:
+                raise ValueError(f"LayerKV: static scales must be float32 [2, {heads}], got "
+                                 f"{self.static_scales.dtype} {tuple(self.static_scales.shape)}")
         scales = () if self.k_scale is None else (self.k_scale, self.v_scale)
         object.__setattr__(self, "tensors", (self.k, self.v, *scales))
+        static = () if self.static_scales is None else (self.static_scales.contiguous(),)
+        object.__setattr__(self, "kernel_tensors", (*self.tensors, *static))
 
     @classmethod
     def allocate(cls, spec: KVSpec, num_blocks: int, device: str | torch.device = "cpu",
-                 pin_memory: bool = False) -> LayerKV:
-        """Zeroed tensors of ``num_blocks`` blocks in ``spec``'s format."""
+                 pin_memory: bool = False, static_scales: torch.Tensor | None = None) -> LayerKV:
+        """Zeroed tensors of ``num_blocks`` blocks in ``spec``'s format (``static_scales``: see the field)."""
         def zeros(shape, dtype):
             return torch.zeros((num_blocks, *shape), dtype=dtype, device=device, pin_memory=pin_memory)
 
         scales = (zeros(spec.scale_shape, spec.scale_dtype), zeros(spec.scale_shape, spec.scale_dtype)) \
             if spec.has_scales \
             else (None, None)
-        return cls(zeros(spec.block_shape, spec.dtype), zeros(spec.block_shape, spec.dtype), *scales, spec.codec)
+        static = None if static_scales is None else static_scales.to(device=device, dtype=torch.float32)
+        return cls(zeros(spec.block_shape, spec.dtype), zeros(spec.block_shape, spec.dtype), *scales, spec.codec,
+                   static)
 
     @property
     def has_scales(self) -> bool:

@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedllm.config import CacheConfig
-from pagedllm.errors import OutOfKVMemory
+from pagedllm.errors import ConfigError, OutOfKVMemory
 from pagedllm.kvstore.spec import KVSpec, LayerKV, as_movable
+from pagedllm.kvstore.static_scales import StaticKVScales
 
 
 def num_blocks_for(spec: KVSpec, cache: CacheConfig, device: str = "cpu") -> int:
@@ -53,6 +54,20 @@ def kv_pool_bytes(kv_cache_memory, device: str | torch.device) -> tuple[int, str
     return int(kv_cache_memory), kv_cache_memory.human_readable(decimal=False)
 
 
+def static_kv_scales(cache: CacheConfig, spec: KVSpec) -> StaticKVScales | None:
+    """The ``kv_cache_scales`` option read for ``spec``'s layers and KV heads, or None (scales
+    computed on write); a ``ConfigError`` naming what is wrong, or that ``spec`` is not quantized."""
+    if cache.kv_cache_scales is None:
+        return None
+    if spec.quant == "none":
+        raise ConfigError(f"kv_cache_scales: static scales are for the quantized KV formats (int8, fp8_e4m3, "
+                          f"fp8_e5m2, int4), not kv_cache_dtype={spec.kv_cache_dtype}")
+    try:
+        return StaticKVScales.parse(cache.kv_cache_scales, spec.num_layers, spec.num_kv_heads)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
 @dataclass
 class KVCacheStorage:
     """Pre-allocated K/V of every layer, one ``LayerKV`` each, in the format ``spec``."""
@@ -64,11 +79,15 @@ class KVCacheStorage:
     def __post_init__(self) -> None:
         if len(self.layers) != self.spec.num_layers:
             raise ValueError(f"KVCacheStorage: {len(self.layers)} layers for a spec of {self.spec.num_layers}")
-        self.layer_tensors = [layer.tensors for layer in self.layers]
+        self.layer_tensors = [layer.kernel_tensors for layer in self.layers]
 
     @classmethod
-    def allocate(cls, spec: KVSpec, num_blocks: int, device: str | torch.device = "cpu") -> KVCacheStorage:
-        return cls(spec, [LayerKV.allocate(spec, num_blocks, device) for _ in range(spec.num_layers)])
+    def allocate(cls, spec: KVSpec, num_blocks: int, device: str | torch.device = "cpu",
+                 static_scales: StaticKVScales | None = None) -> KVCacheStorage:
+        """Zeroed layers; ``static_scales`` (the ``kv_cache_scales`` option) fixes each layer's scales."""
+        return cls(spec, [LayerKV.allocate(spec, num_blocks, device,
+                                           static_scales=None if static_scales is None else static_scales.layer(i))
+                          for i in range(spec.num_layers)])
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy whole blocks (src -> dst) in every tensor of every layer: copy-on-write after a fork."""

@@ -1336,7 +1336,8 @@ void attention_quant(const T* q, const uint8_t* kc, const uint8_t* vc, const c10
 // New K/V rows [T, KH, D] (any float dtype) -> codes and scales in their slots (slot < 0: skipped).
 template <KVFormat F, typename T>
 void store_quant(const T* key, const T* value, uint8_t* kc, uint8_t* vc, c10::BFloat16* ks, c10::BFloat16* vs,
-                 const int64_t* slots, int64_t num_tokens, int64_t KH, int64_t D) {
+                 const int64_t* slots, int64_t num_tokens, int64_t KH, int64_t D, const float* fixed) {
+  // fixed: static scales [2, KH] (K's, then V's), or nullptr (each row's computed)
   const int64_t CD = code_bytes<F>(D);
   at::parallel_for(0, num_tokens, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> row(D);
@@ -1347,10 +1348,10 @@ void store_quant(const T* key, const T* value, uint8_t* kc, uint8_t* vc, c10::BF
         const int64_t i = slot * KH + h;
         to_float(key + (t * KH + h) * D, row.data(), static_cast<int>(D));
         if constexpr (kRotated<F>) fwht(row.data(), D);
-        encode_row<F>(row.data(), D, kc + i * CD, ks + i);
+        encode_row<F>(row.data(), D, kc + i * CD, ks + i, fixed ? fixed[h] : 0.f);
         to_float(value + (t * KH + h) * D, row.data(), static_cast<int>(D));
         if constexpr (kRotated<F>) fwht(row.data(), D);
-        encode_row<F>(row.data(), D, vc + i * CD, vs + i);
+        encode_row<F>(row.data(), D, vc + i * CD, vs + i, fixed ? fixed[KH + h] : 0.f);
       }
     }
   });
@@ -1615,12 +1616,20 @@ void store_quant_layer(torch::Tensor key, torch::Tensor value, const pagedllm_cp
   auto slots = slot_mapping.to(torch::kLong).contiguous();
   TORCH_CHECK(slots.numel() == key.size(0), "key rows do not match the slot mapping");
   check_slots(slots, kv.k.size(0) * kv.k.size(1));
+  const float* fixed = nullptr;
+  if (kv.static_scales.defined()) {
+    TORCH_CHECK(kv.static_scales.scalar_type() == at::kFloat && kv.static_scales.is_contiguous() &&
+                    kv.static_scales.dim() == 2 && kv.static_scales.size(0) == 2 && kv.static_scales.size(1) == KH,
+                "static KV scales must be contiguous float32 [2, kv_heads]");
+    fixed = kv.static_scales.data_ptr<float>();
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, key.scalar_type(), "store_kv_quant", [&] {
     with_kv_format(kv.k, [&](auto format) {
       store_quant<decltype(format)::value, scalar_t>(
           key.data_ptr<scalar_t>(), value.data_ptr<scalar_t>(), static_cast<uint8_t*>(kv.k.data_ptr()),
           static_cast<uint8_t*>(kv.v.data_ptr()), static_cast<c10::BFloat16*>(kv.k_scale.data_ptr()),
-          static_cast<c10::BFloat16*>(kv.v_scale.data_ptr()), slots.data_ptr<int64_t>(), slots.numel(), KH, D);
+          static_cast<c10::BFloat16*>(kv.v_scale.data_ptr()), slots.data_ptr<int64_t>(), slots.numel(), KH, D,
+          fixed);
     });
   });
 }
