@@ -8,6 +8,7 @@ tokens of Python's pydoc_data topics at 512 tokens of context, float32 SmolLM2.
     .venv/bin/python scripts/int4_variants.py none row15 g32_15 row16asym g32_16asym row15_k row15_v
     .venv/bin/python scripts/int4_variants.py g16_15 smooth_0.5 anchor anchor_g32 anchor_g16
     .venv/bin/python scripts/int4_variants.py klayers_0_10 klayers_10_20 klayers_20_30
+    .venv/bin/python scripts/int4_variants.py --full none row15 smooth_0.5 anchor  # 20,480 tokens, 512 and 4,096
 
 Variants (V is quantized as ``row15`` wherever a variant names only K):
 
@@ -119,9 +120,13 @@ variants = {
     "row15_norot": fake(64, 15, rotate=False), "row15_k": fake(64, 15, which="k"), "row15_v": fake(64, 15, which="v"),
     "anchor": "anchor_64", "anchor_g32": "anchor_32", "anchor_g16": "anchor_16",
 }
-args = argparse.Namespace(model=None, kv_cache_dtypes="float32", weights="float32", contexts="512", text_tokens=2048,
+# --full: the whole accuracy text (20,480 tokens) at 512 and 4,096 tokens of context, as `bench accuracy`
+FULL = "--full" in sys.argv
+names = [a for a in sys.argv[1:] if a != "--full"]
+args = argparse.Namespace(model=None, kv_cache_dtypes="float32", weights="float32",
+                          contexts="512,4096" if FULL else "512", text_tokens=20480 if FULL else 2048,
                           prompts=0, new_tokens=0, chunk=64, block_size=BLOCK, quiet=True, configs=None)
-for name in sys.argv[1:]:
+for name in names:
     llama.LlamaForCausalLM.load_hf_state_dict = orig_load
     if name.startswith("smooth_"):
         llama.LlamaForCausalLM.load_hf_state_dict = smoothed(float(name.split("_")[1]))
@@ -133,4 +138,5 @@ for name in sys.argv[1:]:
     else:
         reference.write_kv = variants[name] or orig
     r = accuracy.run(args)
-    print(name, round(r["rows"][0]["ppl_512"], 4), flush=True)
+    row = r["rows"][0]
+    print(name, *(round(row[f"ppl_{c}"], 4) for c in r["contexts"]), flush=True)
