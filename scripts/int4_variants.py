@@ -19,7 +19,12 @@ Variants (V is quantized as ``row15`` wherever a variant names only K):
   folded in; exact in real arithmetic, since a per-pair factor commutes with RoPE), then ``row15``;
 - ``klayers_A_B``: K quantized (``row15``) in layers A..B-1 only (where the loss comes from);
 - ``anchor``: each block's first key (kept in float, which a real format would have to pay for)
-  subtracted from the block's keys before ``row15``; ``anchor_gG``: the same with a scale per G.
+  subtracted from the block's keys before ``row15``; ``anchor_gG``: the same with a scale per G;
+- ``center`` / ``center_gG``: one constant key per layer and KV head (the mean key of the first
+  2,048 tokens of the text, measured by a first pass) subtracted before ``row15`` / a scale per G
+  values of K. Free in a kernel: softmax ignores ``q . mu``, the same for every key of a query.
+
+    .venv/bin/python scripts/int4_variants.py --full center center_g32
 """
 import argparse
 import sys
@@ -83,6 +88,32 @@ def anchored(group):
     return write_kv
 
 
+def collect_key_means():
+    """A write_kv that records each layer's mean key per KV head (post-RoPE, as stored)."""
+    sums, counts, layer_of = {}, {}, {}
+
+    def write_kv(kv, key, value, slot_mapping, has_padding_slots=False):
+        layer = layer_of.setdefault(id(kv), len(layer_of))
+        keep = slot_mapping >= 0
+        sums[layer] = sums.get(layer, 0) + key[keep].double().sum(0)
+        counts[layer] = counts.get(layer, 0) + int(keep.sum())
+        orig(kv, key, value, slot_mapping, has_padding_slots)
+    return write_kv, lambda: {i: (sums[i] / counts[i]).float() for i in sums}
+
+
+def centered(means, group):
+    """Keys minus a constant per layer and KV head (softmax ignores q.mu: free in a kernel),
+    K quantized with a scale per ``group`` values, V per row."""
+    layer_of = {}
+
+    def write_kv(kv, key, value, slot_mapping, has_padding_slots=False):
+        layer = layer_of.setdefault(id(kv), len(layer_of))
+        mu = means[layer].to(key.device)
+        k = quantize(key.float() - mu, group, 15) + mu
+        orig(kv, k.to(key.dtype), quantize(value, 64, 15), slot_mapping, has_padding_slots)
+    return write_kv
+
+
 def k_in_layers(first, last):
     """K quantized (``row15``) in layers first..last-1 only, V and the other layers' K float32."""
     layer_of = {}
@@ -133,6 +164,11 @@ for name in names:
         reference.write_kv = fake(64, 15)
     elif name.startswith("klayers_"):
         reference.write_kv = k_in_layers(*map(int, name.split("_")[1:]))
+    elif name.startswith("center"):
+        calib = argparse.Namespace(**{**vars(args), "contexts": "512", "text_tokens": 2048})
+        reference.write_kv, means = collect_key_means()
+        accuracy.run(calib)
+        reference.write_kv = centered(means(), int(name.split("_g")[1]) if "_g" in name else 64)
     elif isinstance(variants[name], str):
         reference.write_kv = anchored(int(variants[name].split("_")[1]))
     else:

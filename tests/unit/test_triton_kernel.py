@@ -12,9 +12,10 @@ import torch
 
 from pagedllm.attention.base import AttentionBackend
 from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.attention.reference import ReferenceBackend
 from pagedllm.attention.triton_kernel import TritonBackend
-from pagedllm.kvstore.quant import QUANTIZED_FORMATS
-from pagedllm.kvstore.spec import LayerKV
+from pagedllm.kvstore.quant import QUANTIZED_FORMATS, KVCodec
+from pagedllm.kvstore.spec import KVSpec, LayerKV
 from tests.unit.test_reference_attention import HEAD_DIM, assert_matches_reference, run_and_compare
 
 B = 16
@@ -40,9 +41,9 @@ class OnCuda(AttentionBackend):
 
 
 def on_cuda(kv: LayerKV) -> LayerKV:
-    """The layer's tensors (scales too) copied to the GPU, its codec kept."""
+    """The layer's tensors (scales, static ones too) copied to the GPU, its codec kept."""
     return LayerKV(kv.k.cuda(), kv.v.cuda(), *(None if t is None else t.cuda() for t in (kv.k_scale, kv.v_scale)),
-                   codec=kv.codec)
+                   codec=kv.codec, static_scales=None if kv.static_scales is None else kv.static_scales.cuda())
 
 
 def metadata_on_cuda(meta: AttentionMetadata) -> AttentionMetadata:
@@ -112,3 +113,58 @@ def test_quantized_kv_is_stored_and_read_as_the_reference_does(backend, name):
     out = backend.store_and_attend(query, new_k, new_v, twin, meta)
     assert same_bytes(kv, twin)
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-4)
+
+
+def _store_both(backend, name, key, value, slots, head_dim, static=None):
+    """The rows stored by the reference (the torch codec) and by ``backend``: (theirs, ours)."""
+    codec = KVCodec(name, head_dim)
+    spec = KVSpec(codec.dtype, key.shape[1], head_dim, B, 1, "per_token_head", name)
+    theirs, ours = (LayerKV.allocate(spec, 4, static_scales=static) for _ in range(2))
+    meta = type("M", (), {"slot_mapping": slots, "has_padding_slots": bool((slots < 0).any())})
+    ReferenceBackend(0.125).write_kv(theirs, key, value, meta)
+    backend.write_kv(ours, key, value, meta)
+    return theirs, ours
+
+
+@pytest.mark.parametrize("name", QUANTIZED_FORMATS)
+@pytest.mark.parametrize(("dtype", "head_dim", "static"), [
+    (torch.float32, 64, None), (torch.bfloat16, 64, None),
+    (torch.float32, 48, None),  # int4: not a power of two, rotated by its matrix before the kernel
+    (torch.float32, 64, [[0.02, 0.05], [0.01, 0.3]]),  # static scales: values beyond them saturate
+])
+def test_the_triton_store_quantizes_on_write_to_the_references_bytes(backend, name, dtype, head_dim, static):
+    """store_kv_quant_kernel: codes and scales byte for byte the torch codec's, for random rows, a row
+    of zeros, rows of large values and padding slots (left untouched)."""
+    from tests.unit.test_kv_quant import same_bytes
+
+    gen = torch.Generator().manual_seed(3)
+    key = (torch.randn(24, 2, head_dim, generator=gen) * 3).to(dtype)
+    value = torch.randn(24, 2, head_dim, generator=gen).to(dtype)
+    key[0], value[1, 1] = 0, 0
+    key[2] *= 1e4
+    value[3, 0, 5] = -3e4
+    slots = torch.randperm(4 * B, generator=gen)[:24]
+    slots[[4, 9]] = -1
+    static = None if static is None else torch.tensor(static)
+    theirs, ours = _store_both(backend, name, key, value, slots, head_dim, static)
+    assert same_bytes(ours, theirs)
+    assert ours.k_scale.view(-1, 2)[slots[slots >= 0]].float().gt(0).any()
+
+
+@pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2"])
+def test_the_triton_store_rounds_fp8_to_nearest_even_everywhere(backend, name):
+    """Every fp8 value, every midpoint between neighbours (ties go to the even code), and points a
+    quarter step either side, stored with a static scale of 1 (codes = the values themselves):
+    the bytes torch's cast gives. A rounding that carries into the exponent (1.9375 -> 2) is among them."""
+    fp8 = KVCodec(name, 64).dtype
+    values = torch.arange(256, dtype=torch.uint8).view(fp8).float()
+    values = values[values.isfinite()].unique()
+    mids = (values[1:] + values[:-1]) / 2
+    quarter = (values[1:] - values[:-1]) / 4
+    points = torch.cat([values, mids, mids - quarter, mids + quarter])
+    rows = torch.nn.functional.pad(points, (0, -points.numel() % 128)).view(-1, 2, 64)
+    slots = torch.arange(rows.shape[0])
+    theirs, ours = _store_both(backend, name, rows, -rows, slots, 64, torch.ones(2, 2))
+    from tests.unit.test_kv_quant import same_bytes
+
+    assert same_bytes(ours, theirs)
