@@ -190,6 +190,8 @@ COMMANDS = (
                            "any model shape, any device, paged vs contiguous", "pagedllm.sim.simulate_cmd"),
     Subcommand("plan", "recommend block size, memory, batch limits and dtype for a trace, by simulation",
                "pagedllm.sim.plan"),
+    Subcommand("tp-worker", "one tensor-parallel rank (RANK > 0) of a torchrun-style launch over several machines",
+               "pagedllm.parallel.launch"),
 )
 
 

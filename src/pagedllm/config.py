@@ -110,6 +110,10 @@ class LoadOptions:
     layer_loop: Literal[LAYER_LOOPS] = Field(
         "auto", description="auto: the C++ decoder stack runs the layers where it applies; python: the Python "
                             "layer loop (for A/B)")
+    tensor_parallel_size: PositiveInt = Field(
+        1, description="ranks the model is split over by attention heads and MLP channels (worker processes "
+                       "on torch.distributed, gloo on CPU); must divide the model's query and KV heads; see "
+                       "docs/tensor_parallel.md")
 
 
 @pydantic_dataclass(frozen=True, config=_STRICT)
@@ -283,6 +287,7 @@ class EngineConfig:
     device: str = "cpu"
     seed: int = 0
     quantization: Literal[QUANTIZATIONS[1:]] = "none"  # resolved (see build_engine for "auto")
+    tensor_parallel_size: int = 1  # ranks the model is split over (parallel/)
 
 
 if __name__ == "__main__":  # python -m pagedllm.config: the option table for docs/api.md

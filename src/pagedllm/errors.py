@@ -37,3 +37,8 @@ class OutOfKVMemory(PagedLLMError):
 
 class ModelLoadError(PagedLLMError):
     """The model could not be found or its files are not understood."""
+
+
+class EngineStopped(PagedLLMError):
+    """The engine stopped and takes no more requests: under tensor parallelism a failed step or a
+    dead worker rank ends it (the ranks' collectives cannot resume), naming the cause."""

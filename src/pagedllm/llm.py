@@ -15,10 +15,10 @@ from collections.abc import Iterator, Sequence
 from tqdm.auto import tqdm
 
 from pagedllm.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
-from pagedllm.engine.builder import build_engine
 from pagedllm.engine.engine import Engine
 from pagedllm.engine.outputs import RequestOutput
 from pagedllm.engine.sampling_params import RequestOutputKind, SamplingParams
+from pagedllm.parallel.launch import build_engine
 
 Prompt = str | list[int] | dict
 
@@ -45,6 +45,11 @@ class LLM:
         kv_cache_memory, max_num_seqs, ...; the table in docs/api.md). An unknown option or a bad
         value raises ``ConfigError`` (a ``ValueError``) naming it, before anything is loaded."""
         self.engine = build_engine(model=model, **engine_options)
+
+    def shutdown(self) -> None:
+        """Stop the engine's tensor-parallel worker processes now (they also stop when the LLM is
+        collected or the interpreter exits); nothing to do on one rank."""
+        self.engine.shutdown()
 
     def get_tokenizer(self):
         return self.engine.tokenizer

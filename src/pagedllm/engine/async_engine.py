@@ -36,7 +36,7 @@ from typing import Any
 from pagedllm.engine.engine import Engine
 from pagedllm.engine.outputs import RequestOutput
 from pagedllm.engine.sampling_params import RequestOutputKind, SamplingParams
-from pagedllm.errors import PagedLLMError
+from pagedllm.errors import EngineStopped, PagedLLMError
 
 log = logging.getLogger(__name__)
 
@@ -208,10 +208,15 @@ class AsyncEngine:
     def _loop(self) -> None:
         try:
             while True:
+                watch = self.engine.tensor_parallel is not None  # a worker may die while all is idle
                 with self._wake:
                     while not self._commands and not self._stopping and not self.engine.has_unfinished():
-                        self._wake.wait()  # idle: sleep until a command arrives
+                        self._wake.wait(1.0 if watch else None)  # idle: sleep until a command arrives
+                        if watch:
+                            self._dispatch(self.engine.check_workers())
+                            self._raise_if_stopped()
                     if self._stopping:
+                        self.engine.shutdown()
                         return
                     commands = list(self._commands)
                     self._commands.clear()
@@ -223,6 +228,7 @@ class AsyncEngine:
                             future.set_exception(exc)
                 if self.engine.has_unfinished():
                     self._dispatch(self.engine.step())
+                self._raise_if_stopped()
         except BaseException as exc:  # noqa: BLE001 - a bug outside the isolated model step
             log.exception("the engine thread stopped")
             self.dead = exc
@@ -233,6 +239,12 @@ class AsyncEngine:
                 for _, future in self._commands:
                     future.set_exception(EngineDeadError(f"the engine stopped: {exc!r}"))
                 self._commands.clear()
+
+    def _raise_if_stopped(self) -> None:
+        """A tensor-parallel engine that stopped (its requests already failed) ends the loop: the
+        server answers 503 from then on."""
+        if self.engine.dead is not None:
+            raise EngineStopped(self.engine.dead)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:

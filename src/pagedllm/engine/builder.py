@@ -55,16 +55,34 @@ def choose_backend(name: str, device: str, model, cache, dtype: torch.dtype):
     return backend
 
 
-def build_engine(options: EngineOptions | None = None, **overrides) -> Engine:
-    """Load a model and build an engine from ``EngineOptions`` (or its fields as keywords; see
-    ``pagedllm.config`` for what each option means). A bad option raises ``ConfigError``."""
+@dataclasses.dataclass
+class LoadedShard:
+    """One rank's model, ready to run: its ``EngineConfig`` (the whole model's shape), the network
+    (the shard's shape, finalised), its backend and kernel plan."""
+
+    config: EngineConfig
+    net: object
+    backend: object
+    plan: object
+    path: object
+    load_seconds: float
+
+
+def resolve_options(options: EngineOptions | None = None, overrides: dict | None = None) -> EngineOptions:
+    """``EngineOptions`` from options and/or keyword overrides; a bad option raises ``ConfigError``."""
     try:
         if options is None:
-            options = EngineOptions(**overrides)
-        elif overrides:
-            options = dataclasses.replace(options, **overrides)
+            return EngineOptions(**(overrides or {}))
+        return dataclasses.replace(options, **overrides) if overrides else options
     except ValidationError as e:
         raise ConfigError(describe_error(e)) from None
+
+
+def load_shard(options: EngineOptions, tensor_parallel=None, weights=None) -> LoadedShard:
+    """Load and finalise the model per ``options``: the whole of it, or with ``tensor_parallel``
+    (``parallel/ranks.py``'s ``RankHandle``: ``rank``, ``world_size``, ``shard(weights)``,
+    ``all_reduce_``) this rank's share, whose row-parallel outputs it sums over the ranks.
+    ``weights``: already loaded (else read from the model path)."""
     device, dtype = options.device, options.dtype
     cache = options.cache_config()
     if cache.kv_layout != "paged" and cache.enable_prefix_caching:
@@ -75,7 +93,8 @@ def build_engine(options: EngineOptions | None = None, **overrides) -> Engine:
         load_cpu_kernel()  # and the C++ attention kernel
     t0 = time.perf_counter()
     path = resolve_model_path(options.model)
-    weights = load_weights(path)
+    if weights is None:
+        weights = load_weights(path)
     mcfg = weights.config
     max_model_len = options.max_model_len
     if max_model_len is None:
@@ -94,28 +113,52 @@ def build_engine(options: EngineOptions | None = None, **overrides) -> Engine:
     scheduler = options.scheduler_config(max_model_len, plan.step_tokens if plan else DEFAULT_STEP_TOKENS)
     config = EngineConfig(model=mcfg, cache=cache, scheduler=scheduler,
                           dtype=resolved_dtype, device=device, seed=options.seed,
-                          quantization=resolve_quantization(options.quantization, weights, resolved_dtype, device))
+                          quantization=resolve_quantization(options.quantization, weights, resolved_dtype, device),
+                          tensor_parallel_size=options.tensor_parallel_size)
+    if tensor_parallel is not None:
+        weights = tensor_parallel.shard(weights)  # the rank's slices, its config the shard's shape
     with torch.device("meta"):
-        net = model_class(mcfg.architecture)(mcfg, torch_dtype(config.dtype), max_model_len, device=device,
+        net = model_class(mcfg.architecture)(weights.config, torch_dtype(config.dtype), max_model_len, device=device,
                                              layer_ops=layer_ops)
     net.load_hf_state_dict(weights.state_dict)
     net.eval()
-    backend = choose_backend(options.attention_backend, device, mcfg, cache, torch_dtype(config.dtype))
+    if tensor_parallel is not None:
+        net.reduce_partial = tensor_parallel.all_reduce_
+    backend = choose_backend(options.attention_backend, device, weights.config, cache, torch_dtype(config.dtype))
     quantize = functools.partial(QUANTIZATION_METHODS[config.quantization].apply, weights=weights, plan=plan)
     net.finalize(backend, options.layer_loop, plan=plan, quantize=quantize)  # the end of loading
     del quantize, weights  # free the unfused weights before the KV pool is sized and allocated
-    tokenizer = Tokenizer.load(path, path.suffix == ".gguf")
-    load_seconds = time.perf_counter() - t0  # weights + tokenizer; not the kernel builds
-    engine = Engine(config, net, tokenizer, backend)
+    return LoadedShard(config, net, backend, plan, path, time.perf_counter() - t0)
+
+
+def build_engine(options: EngineOptions | None = None, tensor_parallel=None, weights=None, **overrides) -> Engine:
+    """Load a model and build an engine from ``EngineOptions`` (or its fields as keywords; see
+    ``pagedllm.config`` for what each option means). A bad option raises ``ConfigError``.
+    ``tensor_parallel_size > 1`` is started by ``pagedllm.parallel.launch.build_engine`` (``LLM``, the
+    CLI and the server use it), which passes rank 0's handle as ``tensor_parallel``."""
+    options = resolve_options(options, overrides)
+    if options.tensor_parallel_size > 1 and tensor_parallel is None:
+        raise ConfigError("tensor_parallel_size > 1 starts worker processes: build the engine with "
+                          "pagedllm.parallel.launch.build_engine (LLM, the CLI and the server do)")
+    shard = load_shard(options, tensor_parallel, weights)
+    t0 = time.perf_counter()
+    tokenizer = Tokenizer.load(shard.path, shard.path.suffix == ".gguf")
+    load_seconds = shard.load_seconds + time.perf_counter() - t0  # weights + tokenizer; not the kernel builds
+    engine = Engine(shard.config, shard.net, tokenizer, shard.backend, tensor_parallel)
     if (warning := accuracy_warning(engine.kv_spec.kv_cache_dtype)) is not None:
         log.warning(warning)
+    config = shard.config
     if config.cache.kv_cache_scales is not None:
         heads = engine.runner.kv.layers[0].static_scales
         log.info("kv_cache_scales: %s KV rows encoded with static scales (layer 0: K %s, V %s)",
                  engine.kv_spec.kv_cache_dtype, heads[0].tolist(), heads[1].tolist())
+    if tensor_parallel is not None and options.layer_loop == "auto" and shard.plan is not None:
+        log.warning("tensor_parallel_size=%d: the C++ decoder stack has no all-reduce between its layers, so each "
+                    "rank runs the Python layer loop (docs/tensor_parallel.md gives the cost)",
+                    options.tensor_parallel_size)
     engine.load_seconds = load_seconds
-    engine.kernel_plan = plan
-    engine.model_path = path
+    engine.kernel_plan = shard.plan
+    engine.model_path = shard.path
     # Everything alive now lives as long as the engine: keep it out of the cyclic GC's scans
     # (hundreds of thousands of objects after importing torch and transformers), as vLLM does.
     gc.collect()

@@ -13,12 +13,13 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 
 from pagedllm import cpu_features
 from pagedllm.attention.base import AttentionBackend
-from pagedllm.config import EngineConfig
+from pagedllm.config import EngineConfig, ModelConfig
 from pagedllm.dtypes import torch_dtype
 from pagedllm.engine.beam_search import BeamGroup, BeamSearchParams
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
@@ -31,7 +32,7 @@ from pagedllm.engine.request_owner import RequestOwner
 from pagedllm.engine.sampling_params import SamplingParams
 from pagedllm.engine.scheduler import Scheduler, SchedulerOutput
 from pagedllm.engine.structured_output import StructuredOutputManager
-from pagedllm.errors import InvalidRequest
+from pagedllm.errors import EngineStopped, InvalidRequest
 from pagedllm.kvcache.block_map import block_map
 from pagedllm.kvcache.factory import make_kv_manager
 from pagedllm.kvstore.host_tier import HostTier
@@ -47,27 +48,61 @@ log = logging.getLogger(__name__)
 
 
 
+@dataclass
+class KVPool:
+    """One rank's KV tensors: ``storage`` of ``num_blocks`` blocks, and the host tier of
+    ``num_host_blocks`` for swapping (None without swap)."""
+
+    storage: KVCacheStorage
+    num_blocks: int
+    num_host_blocks: int
+    host: HostTier | None
+
+    @classmethod
+    def allocate(cls, config: EngineConfig, model: ModelConfig, backend: AttentionBackend,
+                 tensor_parallel=None) -> KVPool:
+        """Sized for ``model`` (the rank's shard: its KV heads only) in the pool's format;
+        ``tensor_parallel``: the ranks agree on the smallest block count (``agree_num_blocks``)."""
+        dtype = torch_dtype(config.dtype)
+        cc = config.cache
+        spec = kv_spec_for(model, cc.block_size, cc.kv_cache_dtype, dtype)
+        backend.check_kv_spec(spec, dtype)
+        num_blocks = num_blocks_for(spec, cc, config.device)
+        if tensor_parallel is not None:
+            num_blocks = tensor_parallel.agree_num_blocks(num_blocks)
+        swapping = config.scheduler.preemption_mode == "swap" and cc.kv_layout == "paged"
+        num_host_blocks = cc.swap_space // spec.bytes_per_block if swapping else 0
+        if tensor_parallel is not None and num_host_blocks:
+            num_host_blocks = tensor_parallel.agree_num_blocks(num_host_blocks)
+        rank, world = (0, 1) if tensor_parallel is None else (tensor_parallel.rank, tensor_parallel.world_size)
+        storage = KVCacheStorage.allocate(spec, num_blocks, config.device, static_kv_scales(cc, spec, rank, world))
+        host = HostTier(storage, num_host_blocks) if num_host_blocks else None
+        return cls(storage, num_blocks, num_host_blocks, host)
+
+
 class Engine:
     """Continuous-batching inference engine over a paged KV cache."""
 
     def __init__(self, config: EngineConfig, model: LlamaForCausalLM, tokenizer: Tokenizer | None,
-                 backend: AttentionBackend) -> None:
-        """``model`` finalised for ``backend`` (``LlamaForCausalLM.finalize``; ``build_engine`` does both)."""
+                 backend: AttentionBackend, tensor_parallel=None) -> None:
+        """``model`` finalised for ``backend`` (``LlamaForCausalLM.finalize``; ``build_engine`` does both).
+        ``tensor_parallel``: rank 0's handle on the other ranks (``parallel/ranks.py``): ``model`` is
+        then rank 0's shard, the pool holds its KV heads, the block count is the ranks' smallest, and
+        the runner sends each step to the workers before running it."""
         self.config = config
         self.tokenizer = tokenizer
-        dtype = torch_dtype(config.dtype)
-        cc = config.cache
-        spec = kv_spec_for(config.model, cc.block_size, cc.kv_cache_dtype, dtype)
-        backend.check_kv_spec(spec, dtype)
-        num_blocks = num_blocks_for(spec, cc, config.device)
-        swapping = config.scheduler.preemption_mode == "swap" and cc.kv_layout == "paged"
-        num_host_blocks = cc.swap_space // spec.bytes_per_block if swapping else 0
-        self.kv_manager = make_kv_manager(cc, num_blocks, config.scheduler.max_model_len, num_host_blocks)
+        self.tensor_parallel = tensor_parallel
+        self.dead: str | None = None  # why a tensor-parallel engine stopped (a failed step is fatal there)
+        pool = KVPool.allocate(config, model.config, backend, tensor_parallel)
+        self.kv_manager = make_kv_manager(config.cache, pool.num_blocks, config.scheduler.max_model_len,
+                                          pool.num_host_blocks)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager)
         self.inputs = InputProcessor(tokenizer, config.model.vocab_size, config.scheduler.max_logprobs, self.scheduler)
-        storage = KVCacheStorage.allocate(spec, num_blocks, config.device, static_kv_scales(cc, spec))
-        host = HostTier(storage, num_host_blocks) if num_host_blocks else None
-        self.runner = ModelRunner(model, storage, backend, torch.device(config.device), host)
+        device = torch.device(config.device)
+        if tensor_parallel is None:
+            self.runner = ModelRunner(model, pool.storage, backend, device, pool.host)
+        else:
+            self.runner = tensor_parallel.make_runner(model, pool.storage, backend, device, pool.host)
         eos = set(config.model.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
@@ -96,6 +131,8 @@ class Engine:
                     params: SamplingParams | BeamSearchParams | None = None) -> Request:
         """Validate and queue a request. Raises InvalidRequest/RequestTooLong without side effects.
         ``BeamSearchParams`` make it a beam search (see ``engine/beam_search.py``)."""
+        if self.dead is not None:
+            raise EngineStopped(self.dead)
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams | BeamSearchParams):
             raise InvalidRequest(f"sampling params must be SamplingParams, got {type(params).__name__}")
@@ -177,6 +214,8 @@ class Engine:
     # -- one iteration ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, and return the outputs owed to callers (by output kind)."""
+        if self.dead is not None:
+            raise EngineStopped(self.dead)
         sched_out = self.scheduler.schedule()
         if sched_out.is_empty:
             return self._check_progress()
@@ -208,6 +247,8 @@ class Engine:
         """The model step raised: fail every request whose KV the step touched (computed, copied or
         swapped), free their blocks, and leave everything else as it was."""
         self.runner.recover()  # no copy may still be writing into blocks about to be freed
+        if self.tensor_parallel is not None:
+            return self._stop(self.tensor_parallel.explain(exc), exc)
         touched = {c.request_id for c in out.chunks} | {f for c in out.chunks for f in c.fork_ids}
         touched |= set(out.swapped_in)
         touched |= {rid for rid in out.preempted
@@ -219,6 +260,34 @@ class Engine:
         message = f"the model step failed: {type(exc).__name__}: {exc}"
         log.error("%s (failing %d request(s); the engine continues)", message, len(owners), exc_info=exc)
         return self._fail(list(owners.values()), message)
+
+    def _stop(self, cause: str, exc: BaseException | None = None) -> list[RequestOutput]:
+        """Under tensor parallelism a failed step is fatal (the ranks' collectives would no longer
+        match): fail every request, stop the workers, and refuse all that comes (``EngineStopped``)."""
+        self.dead = f"tensor parallel: {cause}; the engine stopped (the ranks cannot resume in step)"
+        log.error("%s (failing every request)", self.dead, exc_info=exc)
+        self.tensor_parallel.stop(graceful=False)
+        owners = {id(o): o for o in [*self._owner.values(), *self._requests.values()]}
+        return self._fail(list(owners.values()), self.dead)
+
+    def check_workers(self) -> list[RequestOutput]:
+        """Between steps: if a tensor-parallel worker has died, stop the engine (failing every request,
+        whose outputs are returned). Nothing to do on one rank."""
+        tp = self.tensor_parallel
+        if tp is None or self.dead is not None:
+            return []
+        try:
+            tp.check()
+        except RuntimeError as e:
+            return self._stop(str(e))
+        return []
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (if any); the engine takes no more steps after it."""
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.stop()
+            if self.dead is None:
+                self.dead = "the engine was shut down"
 
     def _fail(self, owners: list[RequestOwner], message: str) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []

@@ -102,20 +102,11 @@ class ModelRunner:
                 grammar: GrammarBitmask | None = None) -> StepResult:
         """Run one step; returns the sampled token (and logprobs if asked) of every chunk that samples.
         ``grammar``: the allowed tokens of the sampling sequences that have a structured-output grammar."""
-        if self.host is not None:
-            self.host.wait()  # blocks prefetched during the previous step are in place now
-            if out.swap_out:
-                self.host.swap_out(out.swap_out)
-        if out.copies:
-            self.kv.copy_blocks(out.copies)
-        if out.swap_in:  # overlaps this step's forward; its requests compute next step
-            self.host.start_swap_in(out.swap_in)
-        if not out.chunks:
-            return StepResult()
-        chunks = sorted(out.chunks, key=lambda c: c.num_tokens != 1)  # stable: decodes first
-        input_ids, positions, meta = build_metadata(chunks, self.kv.block_size, self.device)
-        hidden = self.model(input_ids, positions, meta, self.kv, self.backend)
+        ran = self.run_model(out)
         result = StepResult()
+        if ran is None:
+            return result
+        chunks, hidden, meta = ran
         for i, c in enumerate(chunks):
             req = requests[c.request_id]
             if req.sampling_params.prompt_logprobs is not None and c.start_pos < req.num_prompt_tokens - 1:
@@ -135,6 +126,24 @@ class ModelRunner:
         result.tokens = {r.request_id: tok for r, tok in zip(reqs, tokens, strict=True)}
         result.logprobs = {reqs[i].request_id: lp for i, lp in logprobs.items()}
         return result
+
+    def run_model(self, out: SchedulerOutput) -> tuple[list[ScheduledChunk], torch.Tensor, AttentionMetadata] | None:
+        """The step's KV block moves (swap out, copies, swap in started), then the model over its
+        chunks: (the chunks decode-first, their hidden states, the metadata), or None without chunks.
+        What a tensor-parallel worker runs each step (``parallel/worker.py``): no sampling."""
+        if self.host is not None:
+            self.host.wait()  # blocks prefetched during the previous step are in place now
+            if out.swap_out:
+                self.host.swap_out(out.swap_out)
+        if out.copies:
+            self.kv.copy_blocks(out.copies)
+        if out.swap_in:  # overlaps this step's forward; its requests compute next step
+            self.host.start_swap_in(out.swap_in)
+        if not out.chunks:
+            return None
+        chunks = sorted(out.chunks, key=lambda c: c.num_tokens != 1)  # stable: decodes first
+        input_ids, positions, meta = build_metadata(chunks, self.kv.block_size, self.device)
+        return chunks, self.model(input_ids, positions, meta, self.kv, self.backend), meta
 
     def _prompt_logprobs(self, hidden: torch.Tensor, first_row: int, chunk: ScheduledChunk,
                          req: Request) -> list[tuple[int, TokenLogprobs]]:

@@ -72,6 +72,11 @@ class StaticKVScales:
         return cls(_table(entries, "k_scale", num_layers, num_kv_heads),
                    _table(entries, "v_scale", num_layers, num_kv_heads))
 
+    def heads(self, first: int, count: int) -> StaticKVScales:
+        """KV heads ``first .. first + count - 1`` of every layer (a tensor-parallel rank's share)."""
+        share = slice(first, first + count)
+        return StaticKVScales(tuple(h[share] for h in self.k), tuple(h[share] for h in self.v))
+
     def layer(self, index: int) -> torch.Tensor:
         """Layer ``index``'s scales as float32 ``[2, kv_heads]`` (row 0 K, row 1 V), bfloat16-rounded."""
         return torch.tensor([self.k[index], self.v[index]], dtype=torch.float32).to(SCALE_DTYPE).float()

@@ -54,18 +54,21 @@ def kv_pool_bytes(kv_cache_memory, device: str | torch.device) -> tuple[int, str
     return int(kv_cache_memory), kv_cache_memory.human_readable(decimal=False)
 
 
-def static_kv_scales(cache: CacheConfig, spec: KVSpec) -> StaticKVScales | None:
+def static_kv_scales(cache: CacheConfig, spec: KVSpec, rank: int = 0, world_size: int = 1) -> StaticKVScales | None:
     """The ``kv_cache_scales`` option read for ``spec``'s layers and KV heads, or None (scales
-    computed on write); a ``ConfigError`` naming what is wrong, or that ``spec`` is not quantized."""
+    computed on write); a ``ConfigError`` naming what is wrong, or that ``spec`` is not quantized.
+    Under tensor parallelism ``spec`` holds rank ``rank``'s heads of the model's ``world_size`` times
+    as many: the option is read for the model's heads, and the rank's share kept."""
     if cache.kv_cache_scales is None:
         return None
     if spec.quant == "none":
         raise ConfigError(f"kv_cache_scales: static scales are for the quantized KV formats (int8, fp8_e4m3, "
                           f"fp8_e5m2, int4), not kv_cache_dtype={spec.kv_cache_dtype}")
     try:
-        return StaticKVScales.parse(cache.kv_cache_scales, spec.num_layers, spec.num_kv_heads)
+        scales = StaticKVScales.parse(cache.kv_cache_scales, spec.num_layers, spec.num_kv_heads * world_size)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    return scales.heads(rank * spec.num_kv_heads, spec.num_kv_heads) if world_size > 1 else scales
 
 
 @dataclass

@@ -71,12 +71,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
 
-    _parts = None  # (ln1 weight, eps, attention, ln2 weight, eps, mlp), bound by ``bind``
+    _parts = None  # (ln1 weight, eps, attention, ln2 weight, eps, mlp, reduce), bound by ``bind``
 
-    def bind(self) -> None:
-        """Read the final weights into plain tuples (see ``forward``)."""
+    def bind(self, reduce=None) -> None:
+        """Read the final weights into plain tuples (see ``forward``). ``reduce``: under tensor
+        parallelism, the in-place sum over ranks of the attention's and the MLP's partial outputs."""
         ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
-        self._parts = (ln1.weight, ln1.eps, self.self_attn, ln2.weight, ln2.eps, self.mlp)
+        self._parts = (ln1.weight, ln1.eps, self.self_attn, ln2.weight, ln2.eps, self.mlp, reduce)
         self.self_attn._projections = (self.self_attn.qkv_proj, self.self_attn.o_proj)
         self.mlp._projections = (self.mlp.gate_up_proj, self.mlp.down_proj)
 
@@ -87,11 +88,16 @@ class DecoderLayer(nn.Module):
         call, which at batch 1 adds up to a tenth of the step over 30 layers; for the same reason
         the parts are read from one plain tuple, not through ``nn.Module.__getattr__`` each step
         (bound by ``bind`` when the model is finalised)."""
-        w1, eps1, attention, w2, eps2, mlp = self._parts
+        w1, eps1, attention, w2, eps2, mlp, reduce = self._parts
         h, residual = ops.add_rms_norm(x, residual, w1, eps1)
         h = attention.forward(h, positions, rotary, kv, meta, backend)
+        if reduce is not None:  # tensor parallel: o_proj is row-parallel, each rank holds a partial sum
+            reduce(h)
         h, residual = ops.add_rms_norm(h, residual, w2, eps2)
-        return mlp.forward(h, ops), residual
+        h = mlp.forward(h, ops)
+        if reduce is not None:  # and so is down_proj
+            reduce(h)
+        return h, residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -105,6 +111,9 @@ class LlamaForCausalLM(nn.Module):
     ``prepack_weights``) undoes it: ``forward`` refuses to run until ``finalize`` is called again."""
 
     layer_loop = "auto"
+    # tensor parallel (parallel/shard.py): the in-place all-reduce after each row-parallel projection,
+    # set before ``finalize``; None on one rank
+    reduce_partial = None
     _stack = None            # the C++ DecoderStack for _finalized_for (None: the Python loop runs)
     _finalized_for = None    # the backend finalize bound the model to; None: not since the weights changed
 
@@ -152,9 +161,11 @@ class LlamaForCausalLM(nn.Module):
         if plan is not None:
             self.prepack_weights(plan)
         for layer in self.layers:
-            layer.bind()
+            layer.bind(self.reduce_partial)
         self.layer_loop = layer_loop
-        self._stack = build_decoder_stack(self, backend) if layer_loop == "auto" else None
+        # the C++ layer loop has no all-reduce between its layers: the Python loop runs a shard
+        stacked = layer_loop == "auto" and self.reduce_partial is None
+        self._stack = build_decoder_stack(self, backend) if stacked else None
         self._finalized_for = backend
 
     def decoder_stack(self, backend):

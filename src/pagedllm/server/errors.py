@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedllm.engine.async_engine import EngineDeadError, EngineShutdown
 from pagedllm.engine.sampling_params import SamplingParams
-from pagedllm.errors import InvalidRequest, PagedLLMError, RequestTooLong
+from pagedllm.errors import EngineStopped, InvalidRequest, PagedLLMError, RequestTooLong
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +79,8 @@ def as_openai_error(exc: BaseException) -> OpenAIError:
         return OpenAIError(503, str(exc), code="shutting_down")
     if isinstance(exc, EngineDeadError):  # its text names the internal exception: kept for the log
         return OpenAIError(503, ENGINE_DEAD, code="engine_dead")
+    if isinstance(exc, EngineStopped):  # a tensor-parallel engine after a failed step or a dead worker
+        return OpenAIError(503, str(exc), code="engine_dead")
     if isinstance(exc, PagedLLMError):
         return OpenAIError(500, str(exc))
     log.error("unexpected error while serving a request", exc_info=exc)

@@ -20,9 +20,9 @@ from pydantic import ValidationError
 from pagedllm.cli_args import add_option_args, engine_options
 from pagedllm.config import describe_error
 from pagedllm.engine.async_engine import AsyncEngine
-from pagedllm.engine.builder import build_engine
 from pagedllm.engine.engine import Engine
 from pagedllm.errors import ConfigError
+from pagedllm.parallel.launch import build_engine
 from pagedllm.server.app import build_app
 from pagedllm.server.limits import ServerLimits
 from pagedllm.server.metrics import ServerMetrics
