@@ -188,3 +188,30 @@ def test_a_torchrun_style_launch_meets_a_tp_worker_command(tiny_pair, monkeypatc
         assert worker.wait(30) == 0
     finally:
         worker.kill()
+
+
+@pytest.mark.slow
+def test_each_rank_runs_its_slice_of_the_gguf_blocks():
+    """bfloat16, quantization auto: the GGUF's own Q4_1 blocks, sliced per rank on their 32-value
+    groups (o_proj: 192 of 576 columns, down_proj: 512 of 1,536), serve the small steps on every
+    rank; tokens equal one rank's save where its top two logits are within bfloat16's noise."""
+    from pagedllm.models.quantized_linear import Int4BlockMatmul, Int4Matmul
+
+    params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=2)
+    prompt = "The capital of France is"
+    one = LLM(dtype="bfloat16", kv_cache_memory="64MiB")
+    three = LLM(dtype="bfloat16", kv_cache_memory="64MiB", tensor_parallel_size=3)
+    try:
+        assert three.engine.config.quantization == "gguf"
+        layer = three.engine.runner.model.layers[0]
+        for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            assert isinstance(linear.small_batch, Int4BlockMatmul | Int4Matmul)
+        assert three.engine.runner.model.config.num_heads == 3
+        ref = one.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+        got = three.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+        diverged = next((i for i, (x, y) in enumerate(zip(ref.token_ids, got.token_ids, strict=True)) if x != y), None)
+        if diverged is not None:
+            top2 = sorted((lp.logprob for lp in ref.logprobs[diverged].values()), reverse=True)[:2]
+            assert top2[0] - top2[1] < 0.1, (diverged, top2)
+    finally:
+        three.shutdown()

@@ -47,6 +47,8 @@ def check_tensor_parallel(cfg: ModelConfig, world_size: int, device: str) -> Non
         gpus = torch.cuda.device_count()
         if world_size > gpus:
             raise ConfigError(f"tensor_parallel_size={world_size} exceeds the GPUs here ({gpus})")
+        raise ConfigError("tensor_parallel_size > 1 runs on CPU (gloo) so far: CUDA needs NCCL and one device per "
+                          "rank, not built yet (docs/tensor_parallel.md)")
     elif world_size > (os.cpu_count() or 1):
         log.warning("tensor_parallel_size=%d exceeds the %d CPU cores here: the ranks share cores", world_size,
                     os.cpu_count() or 1)

@@ -36,7 +36,7 @@ from pagedllm.cli_args import add_shape_presets, add_trace_source
 from pagedllm.config import DTYPE_BYTES, KV_CACHE_DTYPES, CacheConfig, SchedulerConfig, kv_element_bytes
 from pagedllm.sim.block_size import choose, parse_block_sizes, sweep
 from pagedllm.sim.inputs import load_trace
-from pagedllm.sim.shapes import get_device, get_model
+from pagedllm.sim.shapes import LINKS, get_device, get_link, get_model
 from pagedllm.sim.simulator import StepTimeModel, simulate
 
 MEMORY_SHARES = (0.1, 0.2, 0.3, 0.5, 0.7, 0.9)
@@ -78,11 +78,15 @@ def _shares(text: str) -> list[float]:
 
 
 class Planner:
+    """Simulations of one model on ``tensor_parallel_size`` devices of one kind (``model`` is then
+    one rank's share, and every step pays its all-reduces over ``link``)."""
+
     def __init__(self, trace, model, device, max_model_len: int, prefix_caching: bool = True,
-                 memory_utilization: float = 0.9) -> None:
-        self.trace, self.model, self.device = trace, model, device
+                 memory_utilization: float = 0.9, tensor_parallel_size: int = 1, link=None) -> None:
+        self.trace, self.model, self.device = trace, model.shard(tensor_parallel_size), device
         self.max_model_len, self.prefix_caching = max_model_len, prefix_caching
         self.memory_utilization = memory_utilization
+        self.tensor_parallel_size, self.link = tensor_parallel_size, link
         self.runs = 0
 
     def usable(self, dtype: str) -> int:
@@ -99,7 +103,8 @@ class Planner:
 
     def timing(self, dtype: str, kv_cache_dtype: str = "auto") -> StepTimeModel:
         return StepTimeModel(self.model, self.device, DTYPE_BYTES[dtype],
-                             kv_element_bytes(kv_cache_dtype, dtype, self.model.head_dim))
+                             kv_element_bytes(kv_cache_dtype, dtype, self.model.head_dim), self.tensor_parallel_size,
+                             self.link if self.tensor_parallel_size > 1 else None)
 
     def sched(self, c: Candidate) -> SchedulerConfig:
         return SchedulerConfig(max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
@@ -138,6 +143,35 @@ def smallest_sufficient(results: list[dict], tolerance: float) -> dict:
                 and (r["preemption_rate"] or 0) <= (best["preemption_rate"] or 0)):
             return r
     return best
+
+
+def choose_tensor_parallel(trace, model, device, sizes, start: Candidate, link_name: str | None,
+                           max_model_len: int, prefix_caching: bool, memory_utilization: float) -> tuple[Planner, list]:
+    """Stage 0: each size N that divides the model's heads, at the starting candidate. N whose weights
+    do not fit a device are skipped; the recommendation is the size with the most output tokens/s per
+    device (a GPU-hour's worth), the smaller on a tie within 2%. Returns its planner and every row."""
+    rows, planners = [], {}
+    for n in sizes:
+        try:
+            link = get_link(link_name or device.link) if n > 1 else None
+            planner = Planner(trace, model, device, max_model_len, prefix_caching, memory_utilization, n, link)
+            r = planner.evaluate(start)
+        except ValueError as e:  # does not divide the heads, or the weights do not fit
+            rows.append({"tensor_parallel_size": n, "skipped": str(e)})
+            continue
+        planners[n] = planner
+        rows.append({"tensor_parallel_size": n, "output_tokens_per_s": r["output_tokens_per_s"],
+                     "per_device": r["output_tokens_per_s"] / n, "ttft_p99_s": r["ttft_p99_s"],
+                     "pool_bytes_per_device": r["pool_bytes"], "preemption_rate": r["preemption_rate"]})
+    fitting = [r for r in rows if "skipped" not in r]
+    if not fitting:
+        raise ValueError(f"{model.name} fits {device.name} at none of the sizes {list(sizes)}: "
+                         + "; ".join(r["skipped"] for r in rows))
+    best = max(r["per_device"] for r in fitting)
+    chosen = min((r for r in fitting if r["per_device"] >= 0.98 * best), key=lambda r: r["tensor_parallel_size"])
+    for r in rows:
+        r["chosen"] = r is chosen
+    return planners[chosen["tensor_parallel_size"]], rows
 
 
 def plan(planner: Planner, block_sizes, alpha: float, shares, seqs, batched, dtypes, tolerance: float,
@@ -186,6 +220,13 @@ def _row(r: dict) -> str:
             f"preemptions/request {r['preemption_rate']}, rejected {r['rejected']}")
 
 
+def _tp_row(r: dict) -> str:
+    if "skipped" in r:
+        return f"skipped ({r['skipped']})"
+    chosen = " <- chosen" if r["chosen"] else ""
+    return f"{r['output_tokens_per_s']:.0f} tok/s, {r['per_device']:.0f} per device{chosen}"
+
+
 def _jsonable(obj):
     if isinstance(obj, Candidate):
         return obj.__dict__
@@ -210,23 +251,31 @@ def main(args) -> dict:
     if not 0 <= args.tolerance < 1:
         raise ValueError(f"--tolerance must be in [0, 1), got {args.tolerance}")
     trace = load_trace(args)
-    planner = Planner(trace, model, device, args.max_model_len, args.prefix_caching, args.memory_utilization)
     seqs = _ints(args.max_num_seqs, "--max-num-seqs")
     batched = _ints(args.max_num_batched_tokens, "--max-num-batched-tokens")
     shares = _shares(args.memory_shares)
     start = Candidate(16, shares[-1], max(seqs), max(batched), dtypes[0], kv_cache_dtypes[0])
+    sizes = _ints(args.tensor_parallel_sizes, "--tensor-parallel-sizes")
+    planner, tp_rows = choose_tensor_parallel(trace, model, device, sizes, start, args.link, args.max_model_len,
+                                              args.prefix_caching, args.memory_utilization)
+    if len(sizes) > 1:
+        print("tensor parallel size (output tok/s per device at the starting options): " + "; ".join(
+            f"N={r['tensor_parallel_size']}: " + _tp_row(r) for r in tp_rows))
     with tqdm(total=5, desc="plan", disable=args.no_progress, leave=False) as bar:
         result = plan(planner, parse_block_sizes(args.block_sizes), args.alpha, shares, seqs, batched,
                       dtypes, args.tolerance, start, bar.update, kv_cache_dtypes)
     rec = result["recommended"]
     dtype = rec["candidate"].dtype
-    print(f"{model.name} on {device.name}, {len(trace)} requests ({args.trace or args.workload}); {dtype} weights "
-          f"{model.weight_bytes(DTYPE_BYTES[dtype]) / 2**30:.1f} GiB, {planner.usable(dtype) / 2**30:.1f} GiB left at "
+    n = planner.tensor_parallel_size
+    where = device.name if n == 1 else f"{n} x {device.name} (per device below)"
+    print(f"{model.name} on {where}, {len(trace)} requests ({args.trace or args.workload}); {dtype} weights "
+          f"{planner.model.weight_bytes(DTYPE_BYTES[dtype]) / 2**30:.1f} GiB, "
+          f"{planner.usable(dtype) / 2**30:.1f} GiB left at "
           f"{args.memory_utilization:.0%} utilization; {planner.runs} simulations")
     print("recommended: " + _row(rec))
     for i, r in enumerate(result["runners_up"], 1):
         print(f"runner-up {i}: " + _row(r))
-    opts = rec["candidate"].options(rec["pool_bytes"])
+    opts = {**rec["candidate"].options(rec["pool_bytes"]), "tensor_parallel_size": planner.tensor_parallel_size}
     print("options: " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in opts.items()))
     print(f"block size by the formula (alpha {args.alpha}): B_opt = {rec['candidate'].block_size}")
     print("KV memory (share of what the weights leave): " + ", ".join(
@@ -241,7 +290,8 @@ def main(args) -> dict:
           f"30%: {rule['30%']['output_tokens_per_s']:.0f} tok/s, {rule['30%']['preemption_rate']} preempt/req)")
     report = _jsonable({"model": model.name, "device": device.name, "requests": len(trace),
                         "kv_share_of_device_memory": round(of_device, 4),
-                        "trace": args.trace or args.workload, "options": opts, **result, "simulations": planner.runs})
+                        "trace": args.trace or args.workload, "options": opts, "tensor_parallel": tp_rows, **result,
+                        "simulations": planner.runs})
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
     return report
@@ -256,6 +306,11 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtypes", default="auto",
                    help="KV formats to consider, e.g. auto,int8,int4 (auto: the model's dtype)")
     p.add_argument("--block-sizes", default="8,16,32,64,128")
+    p.add_argument("--tensor-parallel-sizes", default="1",
+                   help="devices to split the model over, e.g. 1,2,4,8: the size with the most output tokens/s "
+                        "per device is recommended (sizes that do not divide the heads or fit are skipped)")
+    p.add_argument("--link", default=None, choices=sorted(LINKS),
+                   help="the interconnect for the all-reduces (default: NVLink for the SXM presets, else pcie4)")
     p.add_argument("--alpha", type=float, default=0.3, help="the block-size formula's weight of Overhead(B)")
     p.add_argument("--memory-shares", default="10%,20%,30%,50%,70%,90%",
                    help="KV pool sizes to try, as shares of the memory the weights leave")

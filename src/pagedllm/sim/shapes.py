@@ -11,7 +11,7 @@ simulate --calibrate``; docs/simulator.md). No torch here.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 GiB = 1024**3
 
@@ -64,6 +64,22 @@ class ModelShape:
         """QK^T and PV: 4 x heads x head dim per (query, visible key) pair, every layer."""
         return 4.0 * self.num_layers * self.num_heads * self.head_dim * query_key_pairs
 
+    def shard(self, tensor_parallel_size: int) -> ModelShape:
+        """One rank's share under tensor parallelism (``parallel/shard.py``'s split): H/N query heads,
+        KH/N KV heads, I/N MLP channels; embeddings and LM head replicated. ``ValueError`` naming the
+        numbers when N does not divide them."""
+        n = tensor_parallel_size
+        if n < 1:
+            raise ValueError(f"tensor_parallel_size must be at least 1, got {n}")
+        if n == 1:
+            return self
+        for what, size in (("query heads", self.num_heads), ("KV heads", self.num_kv_heads),
+                           ("MLP intermediate size", self.intermediate_size)):
+            if size % n:
+                raise ValueError(f"tensor_parallel_size={n} must divide {self.name}'s {what} ({size})")
+        return replace(self, name=f"{self.name} (1/{n})", num_heads=self.num_heads // n,
+                       num_kv_heads=self.num_kv_heads // n, intermediate_size=self.intermediate_size // n)
+
 
 @dataclass(frozen=True)
 class Device:
@@ -78,6 +94,7 @@ class Device:
     overlap: bool = True             # compute and memory traffic overlap (a roofline: the max of the two);
                                      # False: they add up (what the fit on this CPU found closer)
     price_per_hour: float = 0.0      # dollars per machine-hour for cost figures (0: not stated)
+    link: str = "pcie4"              # the interconnect between several of them (LINKS), for tensor parallelism
 
     def __post_init__(self) -> None:
         if min(self.memory_bytes, self.peak_flops, self.bandwidth) <= 0:
@@ -97,15 +114,47 @@ MODELS = {
 DEVICES = {
     # A100 price: the one at which the mission's cost claims match its own throughput claims (mission.py)
     "a100-80gb": Device("A100-80GB", 80 * 10**9, 312e12, 2.039e12, step_overhead_s=0.004, seq_overhead_s=2e-5,
-                        price_per_hour=0.93),
-    "h100": Device("H100-80GB SXM", 80 * 10**9, 989e12, 3.35e12, step_overhead_s=0.003, seq_overhead_s=1.5e-5),
-    "h200": Device("H200", 141 * 10**9, 989e12, 4.8e12, step_overhead_s=0.003, seq_overhead_s=1.5e-5),
+                        price_per_hour=0.93, link="nvlink-a100"),
+    "h100": Device("H100-80GB SXM", 80 * 10**9, 989e12, 3.35e12, step_overhead_s=0.003, seq_overhead_s=1.5e-5,
+                   link="nvlink-h100"),
+    "h200": Device("H200", 141 * 10**9, 989e12, 4.8e12, step_overhead_s=0.003, seq_overhead_s=1.5e-5,
+                   link="nvlink-h100"),
     # this machine (2 vCPUs, the Xeon of docs/benchmarks.md): the rates `pagedllm simulate --calibrate`
     # fitted to the real engine (SmolLM2, bf16), compute and memory adding up (docs/simulator.md)
     "this-cpu": Device("this CPU (2 vCPUs, calibrated)", 24 * GiB, 153.5e9, 10.83e9, compute_efficiency=1.0,
                        bandwidth_efficiency=1.0, seq_overhead_s=7.8e-4, overlap=False,
                        price_per_hour=0.10),  # a 2-vCPU cloud VM, order of magnitude
 }
+
+
+@dataclass(frozen=True)
+class Link:
+    """The interconnect between the ranks of one model: what an all-reduce costs
+    (``StepTimeModel.allreduce_seconds``)."""
+
+    name: str
+    bandwidth: float   # bytes/s one way per GPU: what each step of a ring all-reduce moves
+    latency_s: float   # per all-reduce: launch and synchronisation
+
+    def __post_init__(self) -> None:
+        if self.bandwidth <= 0 or self.latency_s < 0:
+            raise ValueError("a link needs a positive bandwidth and a latency of 0 or more")
+
+
+# Peak figures are the vendors' (one direction, per GPU); the effective shares and latencies are
+# stated assumptions (docs/simulator.md), not measurements: no GPU was at hand to measure NCCL.
+LINKS = {
+    "nvlink-a100": Link("NVLink 3 (A100 SXM: 600 GB/s both ways, 80% of 300 GB/s one way)", 240e9, 10e-6),
+    "nvlink-h100": Link("NVLink 4 (H100 SXM: 900 GB/s both ways, 80% of 450 GB/s one way)", 360e9, 8e-6),
+    "pcie4": Link("PCIe 4.0 x16 (80% of 32 GB/s one way)", 25.6e9, 25e-6),
+    "pcie5": Link("PCIe 5.0 x16 (80% of 64 GB/s one way)", 51.2e9, 20e-6),
+}
+
+
+def get_link(name: str) -> Link:
+    if name not in LINKS:
+        raise ValueError(f"link must be one of {', '.join(LINKS)}, got {name!r}")
+    return LINKS[name]
 
 
 def get_model(name: str) -> ModelShape:

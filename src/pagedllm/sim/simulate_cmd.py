@@ -18,7 +18,7 @@ from pathlib import Path
 
 from pagedllm.cli_args import add_shape_presets, add_trace_source
 from pagedllm.config import KV_CACHE_DTYPES, CacheConfig, check_block_size
-from pagedllm.sim.inputs import setup
+from pagedllm.sim.inputs import add_tensor_parallel_args, setup
 from pagedllm.sim.mission import CLAIMED_SETUP, cost_per_m_tokens, format_table
 from pagedllm.sim.simulator import SimulationResult, simulate
 from pagedllm.sim.timeline import plot_timeline
@@ -33,7 +33,9 @@ def run(args) -> dict:
     num_blocks = int(pool // bytes_per_block)
     layouts = ["contiguous", "paged"] if args.layout == "both" else [args.layout]
     price = device.price_per_hour if args.price_per_hour is None else args.price_per_hour
+    n = timing.tensor_parallel_size
     report = {"model": model.name, "device": device.name, "requests": len(trace), "kv_pool_bytes": pool,
+              "tensor_parallel": None if n == 1 else tensor_parallel_report(timing, pool),
               "kv_cache_dtype": args.kv_cache_dtype,
               "num_blocks": num_blocks, "block_size": args.block_size, "max_model_len": args.max_model_len,
               "contiguous_reservation": args.contiguous_reservation,
@@ -88,10 +90,36 @@ def run_placements(args) -> dict:
     return report
 
 
+def tensor_parallel_report(timing, pool: int) -> dict:
+    """Per rank under tensor parallelism: its weights and KV pool, and what a step's all-reduces cost
+    (a decode step of 1 and 64 sequences, a 2,048-token prefill chunk) next to the whole step."""
+    from pagedllm.engine.scheduler import ScheduledChunk, SchedulerOutput
+
+    def step(tokens_each: int, seqs: int, context: int) -> SchedulerOutput:
+        return SchedulerOutput(chunks=[ScheduledChunk(str(i), [7] * tokens_each, context, [], sample=True)
+                                       for i in range(seqs)])
+
+    shapes = {"decode, 1 sequence at 1,024": step(1, 1, 1024), "decode, 64 sequences at 1,024": step(1, 64, 1024),
+              "prefill, 2,048 tokens": step(2048, 1, 0)}
+    return {"size": timing.tensor_parallel_size, "link": timing.link.name,
+            "weights_per_rank_bytes": timing.model.weight_bytes(timing.dtype_bytes), "kv_pool_per_rank_bytes": pool,
+            "kv_bytes_per_token_per_rank": timing.model.kv_bytes_per_token(timing.kv_dtype_bytes),
+            "steps": {name: {"step_ms": round(1000 * timing.step_seconds(out), 3),
+                             "allreduce_ms": round(1000 * timing.allreduce_seconds(out.num_batched_tokens), 3)}
+                      for name, out in shapes.items()}}
+
+
 def format_report(report: dict) -> str:
     lines = [f"{report['model']} on {report['device']}: {report['requests']} requests, KV pool "
              f"{report['kv_pool_bytes'] / 2**30:.2f} GiB = {report['num_blocks']} blocks of {report['block_size']}, "
              f"max_model_len {report['max_model_len']}, ${report['price_per_hour']}/machine-hour"]
+    tp = report.get("tensor_parallel")
+    if tp:
+        steps = "; ".join(f"{name} {s['allreduce_ms']} of {s['step_ms']} ms" for name, s in tp["steps"].items())
+        lines.append(f"tensor parallel over {tp['size']} devices ({tp['link']}): per device "
+                     f"{tp['weights_per_rank_bytes'] / 2**30:.1f} GiB of weights and "
+                     f"{tp['kv_pool_per_rank_bytes'] / 2**30:.1f} GiB of KV "
+                     f"({tp['kv_bytes_per_token_per_rank'] / 1024:.0f} KiB per token); all-reduces per step: {steps}")
     lines.append(format_table(report["results"], claims=report["claims"]))
     for label, key in (("simulated seconds", "makespan_s"), ("wall seconds", "wall_s")):
         lines.append(f"{label:<34}" + "  ".join(f"{name}: {r[key]}" for name, r in report["results"].items()))
@@ -134,6 +162,7 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--memory-utilization", type=float, default=0.9,
                    help="share of the device's memory for weights + KV (vLLM's gpu_memory_utilization)")
     p.add_argument("--block-size", type=int, default=16)
+    add_tensor_parallel_args(p)
     p.add_argument("--max-num-seqs", type=int, default=None, help="default 256 (--calibrate: the engine's 64)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="default 8192 (--calibrate: the engine's 1024)")

@@ -28,7 +28,7 @@ from pagedllm.engine.sampling_params import SamplingParams
 from pagedllm.engine.scheduler import Scheduler, SchedulerOutput
 from pagedllm.errors import RequestTooLong
 from pagedllm.kvcache.factory import make_kv_manager
-from pagedllm.sim.shapes import Device, ModelShape
+from pagedllm.sim.shapes import Device, Link, ModelShape
 from pagedllm.workloads.traces import TraceRequest, prompt_token_ids
 
 STAND_IN_TOKEN = 7  # what every simulated sample returns
@@ -37,10 +37,30 @@ RETIRED_COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "num_preemption
 
 @dataclass(frozen=True)
 class StepTimeModel:
+    """``model`` is what one device runs: the whole model, or under tensor parallelism one rank's
+    share (``ModelShape.shard``), whose step then adds two all-reduces per layer over ``link``."""
+
     model: ModelShape
     device: Device
     dtype_bytes: float = 2.0      # weights and activations
     kv_dtype_bytes: float = 2.0
+    tensor_parallel_size: int = 1
+    link: Link | None = None
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size > 1 and self.link is None:
+            raise ValueError("tensor parallelism needs a link between the devices (--link)")
+
+    def allreduce_seconds(self, num_tokens: int) -> float:
+        """The step's all-reduces: after each layer's attention output and MLP, a ring all-reduce of
+        ``num_tokens x hidden`` activations, each GPU sending and receiving ``2 (N - 1) / N`` of
+        them, plus the link's latency each time."""
+        n = self.tensor_parallel_size
+        if n == 1 or num_tokens == 0:
+            return 0.0
+        size = num_tokens * self.model.hidden_size * self.dtype_bytes
+        each = self.link.latency_s + 2 * (n - 1) / n * size / self.link.bandwidth
+        return 2 * self.model.num_layers * each
 
     def features(self, out: SchedulerOutput) -> tuple[float, float, int]:
         """(FLOPs, bytes read, sequences) of a step. Each new token at position p sees keys 0..p;
@@ -58,7 +78,7 @@ class StepTimeModel:
         compute = flops / (d.peak_flops * d.compute_efficiency)
         memory = bytes_ / (d.bandwidth * d.bandwidth_efficiency)
         busy = max(compute, memory) if d.overlap else compute + memory
-        return busy + d.step_overhead_s + d.seq_overhead_s * seqs
+        return busy + self.allreduce_seconds(out.num_batched_tokens) + d.step_overhead_s + d.seq_overhead_s * seqs
 
 
 @dataclass
