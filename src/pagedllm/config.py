@@ -161,8 +161,33 @@ class CacheConfig:
                           "k_scale/v_scale")
 
 
+def _zmq_endpoint(value):
+    """None, or a ZMQ endpoint to bind: tcp://host:port (``*`` for every interface), ipc://path, inproc://name."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.startswith(("tcp://", "ipc://", "inproc://")):
+        raise ValueError(f"must be a ZMQ endpoint such as tcp://*:5557, ipc:///tmp/kv or inproc://kv, got {value!r}")
+    return value
+
+
+ZmqEndpoint = Annotated[str | None, PlainValidator(_zmq_endpoint)]
+
+
 @pydantic_dataclass(frozen=True, config=_STRICT)
-class EngineOptions(CacheConfig, SchedulerConfig, LoadOptions):
+class EventsConfig:
+    """KV-cache events (BlockStored, BlockRemoved, AllBlocksCleared) published as vLLM does."""
+
+    kv_events_endpoint: ZmqEndpoint = Field(
+        None, description="publish KV-cache events in vLLM's schema on this ZMQ PUB endpoint, e.g. tcp://*:5557 "
+                          "(see docs/kv_events.md); default: none published")
+    kv_events_replay_endpoint: ZmqEndpoint = Field(
+        None, description="a ZMQ ROUTER endpoint, e.g. tcp://*:5558, that resends buffered event batches to a "
+                          "subscriber that missed some")
+    kv_events_topic: str = Field("", description="the topic frame of every KV event message (vLLM's default: empty)")
+
+
+@pydantic_dataclass(frozen=True, config=_STRICT)
+class EngineOptions(EventsConfig, CacheConfig, SchedulerConfig, LoadOptions):
     """Every option of an engine, in one flat object (``LLM(**options)``, CLI flags, docs table)."""
 
     max_model_len: PositiveInt | None = Field(None, description="longest prompt + output; default: the model's "
@@ -173,6 +198,9 @@ class EngineOptions(CacheConfig, SchedulerConfig, LoadOptions):
 
     def cache_config(self) -> CacheConfig:
         return CacheConfig(**{name: getattr(self, name) for name in option_fields(CacheConfig)})
+
+    def events_config(self) -> EventsConfig:
+        return EventsConfig(**{name: getattr(self, name) for name in option_fields(EventsConfig)})
 
     def scheduler_config(self, max_model_len: int, step_tokens: int = DEFAULT_STEP_TOKENS) -> SchedulerConfig:
         """The scheduler's config: ``max_model_len`` and ``step_tokens`` fill the options left None
@@ -288,6 +316,7 @@ class EngineConfig:
     seed: int = 0
     quantization: Literal[QUANTIZATIONS[1:]] = "none"  # resolved (see build_engine for "auto")
     tensor_parallel_size: int = 1  # ranks the model is split over (parallel/)
+    events: EventsConfig = field(default_factory=EventsConfig)  # KV-cache events (engine/kv_event_publisher.py)
 
 
 if __name__ == "__main__":  # python -m pagedllm.config: the option table for docs/api.md

@@ -54,6 +54,11 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached KV block (vLLM's ``LLM.reset_prefix_cache``); False while requests run.
+        With ``kv_events_endpoint`` set, subscribers get ``AllBlocksCleared``."""
+        return self.engine.reset_prefix_cache()
+
     def kv_cache_stats(self) -> dict[str, float | int]:
         """Block pool stats: num_blocks, block_size, num_free_blocks, usage, num_preemptions..."""
         return self.engine.kv_cache_stats()

@@ -15,7 +15,8 @@ from pagedllm.cli import engine_options, make_parser
 from pagedllm.config import EngineOptions, option_choices, option_fields
 
 # values for options whose default says nothing of a valid value (None, or a str with few values)
-SAMPLES = {"model": "org/some-model", "device": "cpu", "kv_cache_scales": "kv_scales.json"}
+SAMPLES = {"model": "org/some-model", "device": "cpu", "kv_cache_scales": "kv_scales.json",
+           "kv_events_endpoint": "tcp://*:5557", "kv_events_replay_endpoint": "tcp://*:5558", "kv_events_topic": "kv"}
 
 
 def commands(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):

@@ -22,7 +22,7 @@ def test_the_protocol_lists_what_the_scheduler_calls():
             "record_preemption", "stats", "check_invariants", "max_blocks_for_request",
             "blocks_for_tokens"} <= set(METHODS)
     assert set(PROPERTIES) == {"num_blocks", "num_free_blocks", "num_cow_copies"}
-    assert set(ATTRIBUTES) == {"layout", "block_size", "enable_prefix_caching", "tables", "num_preemptions"}
+    assert set(ATTRIBUTES) == {"layout", "block_size", "enable_prefix_caching", "tables", "num_preemptions", "events"}
 
 
 @pytest.mark.parametrize("kv", MANAGERS, ids=lambda kv: kv.layout)

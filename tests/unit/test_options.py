@@ -9,7 +9,15 @@ from pathlib import Path
 import pytest
 
 from pagedllm.cli import make_parser
-from pagedllm.config import CacheConfig, EngineOptions, LoadOptions, SchedulerConfig, option_choices, option_fields
+from pagedllm.config import (
+    CacheConfig,
+    EngineOptions,
+    EventsConfig,
+    LoadOptions,
+    SchedulerConfig,
+    option_choices,
+    option_fields,
+)
 from pagedllm.errors import ConfigError
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "api.md"
@@ -67,7 +75,7 @@ def test_docs_option_table_is_generated_from_the_options():
 
 def test_every_option_has_one_definition_and_the_component_defaults_agree():
     fields = option_fields()
-    parts = [option_fields(c) for c in (LoadOptions, SchedulerConfig, CacheConfig)]
+    parts = [option_fields(c) for c in (LoadOptions, SchedulerConfig, CacheConfig, EventsConfig)]
     assert set(fields) == set().union(*parts) and sum(map(len, parts)) == len(fields)
     for part in parts:
         for name, info in part.items():

@@ -114,7 +114,7 @@ def load_shard(options: EngineOptions, tensor_parallel=None, weights=None) -> Lo
     config = EngineConfig(model=mcfg, cache=cache, scheduler=scheduler,
                           dtype=resolved_dtype, device=device, seed=options.seed,
                           quantization=resolve_quantization(options.quantization, weights, resolved_dtype, device),
-                          tensor_parallel_size=options.tensor_parallel_size)
+                          tensor_parallel_size=options.tensor_parallel_size, events=options.events_config())
     if tensor_parallel is not None:
         weights = tensor_parallel.shard(weights)  # the rank's slices, its config the shard's shape
     with torch.device("meta"):

@@ -32,9 +32,10 @@ from pagedllm.engine.request_owner import RequestOwner
 from pagedllm.engine.sampling_params import SamplingParams
 from pagedllm.engine.scheduler import Scheduler, SchedulerOutput
 from pagedllm.engine.structured_output import StructuredOutputManager
-from pagedllm.errors import EngineStopped, InvalidRequest
+from pagedllm.errors import ConfigError, EngineStopped, InvalidRequest
 from pagedllm.kvcache.block_map import block_map
 from pagedllm.kvcache.factory import make_kv_manager
+from pagedllm.kvcache.kv_events import KVEventLog
 from pagedllm.kvstore.host_tier import HostTier
 from pagedllm.kvstore.spec import KVSpec, kv_spec_for
 from pagedllm.kvstore.storage import KVCacheStorage, num_blocks_for, static_kv_scales
@@ -97,6 +98,10 @@ class Engine:
         self.kv_manager = make_kv_manager(config.cache, pool.num_blocks, config.scheduler.max_model_len,
                                           pool.num_host_blocks)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager)
+        self.kv_event_listeners: list = []  # called on the engine thread with each step's KV events
+        self.kv_event_publisher = None
+        if config.events.kv_events_endpoint is not None:
+            self._start_kv_events(config)
         self.inputs = InputProcessor(tokenizer, config.model.vocab_size, config.scheduler.max_logprobs, self.scheduler)
         device = torch.device(config.device)
         if tensor_parallel is None:
@@ -116,6 +121,46 @@ class Engine:
         self.num_steps = 0     # steps that ran the model (or moved KV blocks)
         self.kernel_plan: KernelPlan | None = None  # the CPU matmul kernels build_engine chose
         self._seed_rng = torch.Generator().manual_seed(config.seed)
+
+    def _start_kv_events(self, config: EngineConfig) -> None:
+        """Record the prefix cache's events and publish them (``engine/kv_event_publisher.py``)."""
+        import zmq
+
+        from pagedllm.engine.kv_event_publisher import ZmqKVEventPublisher
+
+        if not hasattr(self.kv_manager, "hash_bytes"):
+            raise ConfigError("kv_events_endpoint: KV-cache events come from the prefix cache: kv_layout=paged only")
+        ev = config.events
+        try:
+            self.kv_event_publisher = ZmqKVEventPublisher(ev.kv_events_endpoint, ev.kv_events_replay_endpoint,
+                                                          ev.kv_events_topic)
+        except zmq.ZMQError as e:
+            raise ConfigError(f"kv_events_endpoint: cannot bind {ev.kv_events_endpoint} or "
+                              f"{ev.kv_events_replay_endpoint}: {e}") from None
+        self.kv_manager.events = KVEventLog("GPU" if config.device.startswith("cuda") else "CPU")
+
+    def enable_kv_event_log(self) -> None:
+        """Record KV-cache events for in-process listeners (``kv_event_listeners``) even without a
+        publisher (the router of ``cluster/``, tests)."""
+        if self.kv_manager.events is None:
+            self.kv_manager.events = KVEventLog("GPU" if self.config.device.startswith("cuda") else "CPU")
+
+    def _emit_kv_events(self) -> None:
+        events = self.kv_manager.events.take()
+        if not events:
+            return
+        if self.kv_event_publisher is not None:
+            self.kv_event_publisher.publish(events)
+        for listener in self.kv_event_listeners:
+            listener(events)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (vLLM's ``reset_prefix_cache``): False while requests hold blocks."""
+        reset = getattr(self.kv_manager, "reset_prefix_cache", None)
+        done = bool(reset()) if reset is not None else False
+        if getattr(self.kv_manager, "events", None) is not None:
+            self._emit_kv_events()
+        return done
 
     def kernels_line(self) -> str:
         """The CPU family and the matmul kernels chosen for it (the start lines and ``bench step``
@@ -213,7 +258,14 @@ class Engine:
 
     # -- one iteration ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, and return the outputs owed to callers (by output kind)."""
+        """Schedule, run the model once, and return the outputs owed to callers (by output kind);
+        the step's KV-cache events go to the publisher and the listeners, failed step or not."""
+        outputs = self._step()
+        if self.kv_manager.events is not None:
+            self._emit_kv_events()
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
         if self.dead is not None:
             raise EngineStopped(self.dead)
         sched_out = self.scheduler.schedule()
@@ -283,7 +335,11 @@ class Engine:
         return []
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers (if any); the engine takes no more steps after it."""
+        """Stop the KV event publisher and the tensor-parallel workers (if any); a tensor-parallel
+        engine takes no more steps after it."""
+        if self.kv_event_publisher is not None:
+            self.kv_event_publisher.close()
+            self.kv_event_publisher = None
         if self.tensor_parallel is not None:
             self.tensor_parallel.stop()
             if self.dead is None:

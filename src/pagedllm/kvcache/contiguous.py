@@ -22,6 +22,8 @@ from pagedllm.kvcache.copy_on_write import CopyOnWrite
 class ContiguousKVCacheManager:
     """One contiguous max-length reservation per request, placed first-fit."""
 
+    events = None  # no prefix cache, so no KV-cache events (kv_events.py)
+
     layout = "contiguous"
     enable_prefix_caching = False
 

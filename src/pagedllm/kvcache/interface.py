@@ -16,6 +16,7 @@ from typing import Protocol, runtime_checkable
 
 from pagedllm.kvcache.block import Block
 from pagedllm.kvcache.block_table import BlockTable
+from pagedllm.kvcache.kv_events import KVEventLog
 
 
 @runtime_checkable
@@ -27,6 +28,7 @@ class KVCacheManagerProtocol(Protocol):
     enable_prefix_caching: bool
     tables: dict[str, BlockTable]   # request id -> its block table (requests holding blocks)
     num_preemptions: int
+    events: KVEventLog | None       # KV-cache events recorded (paged with a recorder set), else None
 
     @property
     def num_blocks(self) -> int: ...

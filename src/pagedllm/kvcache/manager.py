@@ -29,6 +29,7 @@ from pagedllm.kvcache.block_table import BlockTable
 from pagedllm.kvcache.copy_on_write import CopyOnWrite
 from pagedllm.kvcache.hashing import DEFAULT_HASH_ALGO, BlockHasher
 from pagedllm.kvcache.host_pool import HostBlockPool
+from pagedllm.kvcache.kv_events import KVEventLog
 from pagedllm.kvcache.prefix_cache import PrefixCache
 from pagedllm.kvcache.swap_space import SwapSpace
 
@@ -46,7 +47,8 @@ class KVCacheManager:
         self.hasher = BlockHasher(hash_algo)
         self.allocator = BlockAllocator(num_blocks, eviction_policy)
         self.prefix_cache = PrefixCache()
-        self.allocator.on_evict = self.prefix_cache.evict
+        self.allocator.on_evict = self._evict
+        self.events: KVEventLog | None = None  # KV-cache events (kv_events.py), recorded when set
         self.tables: dict[str, BlockTable] = {}
         self._hashes: dict[str, list[int]] = {}
         self._num_cached: dict[str, int] = {}  # full blocks of a request already registered
@@ -126,9 +128,46 @@ class KVCacheManager:
         if end <= start:
             return
         hashes = self.block_hashes(request_id, token_ids[: end * self.block_size], salt)
-        for i in range(start, end):
-            self.prefix_cache.insert(hashes[i], table.blocks[i])
+        stored = [i for i in range(start, end) if self.prefix_cache.insert(hashes[i], table.blocks[i])]
         self._num_cached[request_id] = end
+        if self.events is not None and stored:
+            self._record_stored(hashes, token_ids, stored)
+
+    def _record_stored(self, hashes: list[int], token_ids: Sequence[int], stored: list[int]) -> None:
+        """One ``BlockStored`` per run of consecutive blocks newly cached (a block whose hash another
+        block already holds is not stored again, and breaks the run)."""
+        run: list[int] = []
+        for i in [*stored, None]:
+            if run and (i is None or i != run[-1] + 1):
+                first, bs = run[0], self.block_size
+                parent = self.hash_bytes(hashes[first - 1]) if first else None
+                self.events.stored([self.hash_bytes(hashes[j]) for j in run], parent,
+                                   list(token_ids[first * bs:(run[-1] + 1) * bs]), bs)
+                run = []
+            if i is not None:
+                run.append(i)
+
+    def hash_bytes(self, block_hash: int) -> bytes:
+        """A block hash as the events carry it: its digest's bytes."""
+        return block_hash.to_bytes(self.hasher.digest_bits // 8, "little")
+
+    def _evict(self, block: Block) -> None:
+        """The allocator reuses a cached block: its entry leaves the prefix cache."""
+        if self.events is not None and self.prefix_cache.get(block.block_hash) is block:
+            self.events.removed(self.hash_bytes(block.block_hash))
+        self.prefix_cache.evict(block)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (vLLM's ``reset_prefix_cache``); False, and nothing done, while
+        any block is in use (a running request's blocks cannot be dropped from under it)."""
+        if self.allocator.num_used:
+            return False
+        for block in self.prefix_cache.map.values():
+            block.block_hash = None
+        self.prefix_cache.map.clear()
+        if self.events is not None:
+            self.events.cleared()
+        return True
 
     # -- allocation -------------------------------------------------------------------------------
     def allocate_slots(self, request_id: str, num_slots: int, cached: Sequence[Block] = (),
