@@ -143,6 +143,10 @@ class CacheConfig:
         True, description="reuse cached full blocks of earlier prompts (paged layout only)")
     prefix_caching_hash_algo: Literal[HASH_ALGOS] = Field(
         "xxh3_128", description="block hash: xxh3_128 (keyed with a per-process random seed) or sha256")
+    prefix_caching_hash_seed: Annotated[int, Field(strict=True, ge=0, lt=2**64)] | None = Field(
+        None, description="the xxh3_128 key of the prefix-cache block hashes: give every replica of a cluster the "
+                          "same secret number so a router can compute the hashes they cache; default: a random key "
+                          "per process (docs/kv_events.md)")
     eviction_policy: Literal[EVICTION_POLICIES] = Field(
         "lru", description="reuse order of free cached blocks, and choice of preemption victims")
     kv_layout: Literal["paged", "contiguous"] = Field(

@@ -24,6 +24,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from pagedllm.kvcache.hashing import BlockHasher
 from pagedllm.kvcache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
 DEFAULT_CAPACITY = 1_000_000  # hashes remembered per replica (16 B each: ~50 MB with the dict's overhead)
@@ -141,6 +142,15 @@ class PrefixAware:
             return self.fallback.choose(hashes, replicas)
         self.decisions["prefix"] += 1
         return i
+
+
+def request_block_hashes(hasher: BlockHasher, token_ids: Sequence[int], block_size: int,
+                         salt: str | None = None) -> list[bytes]:
+    """The hashes of a prompt's full blocks as its replica's prefix cache and KV events carry them
+    (``hasher``: the replicas' algorithm and seed, ``prefix_caching_hash_seed``)."""
+    hashes: list[int] = []
+    hasher.extend(hashes, token_ids, block_size, (salt or "").encode())
+    return [h.to_bytes(hasher.digest_bits // 8, "little") for h in hashes]
 
 
 ROUTING_POLICIES = {"prefix-aware": PrefixAware, "power-of-two": PowerOfTwo, "round-robin": RoundRobin}

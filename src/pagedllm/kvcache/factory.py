@@ -12,4 +12,4 @@ def make_kv_manager(cache, num_blocks: int, max_model_len: int, num_host_blocks:
     if cache.kv_layout == "contiguous":
         return ContiguousKVCacheManager(num_blocks, cache.block_size, max_model_len, cache.contiguous_reservation)
     return KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching, cache.eviction_policy,
-                          num_host_blocks, cache.prefix_caching_hash_algo)
+                          num_host_blocks, cache.prefix_caching_hash_algo, cache.prefix_caching_hash_seed)

@@ -41,10 +41,10 @@ class KVCacheManager:
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  eviction_policy: str = "lru", num_host_blocks: int = 0,
-                 hash_algo: str = DEFAULT_HASH_ALGO) -> None:
+                 hash_algo: str = DEFAULT_HASH_ALGO, hash_seed: int | None = None) -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.hasher = BlockHasher(hash_algo)
+        self.hasher = BlockHasher(hash_algo, hash_seed)
         self.allocator = BlockAllocator(num_blocks, eviction_policy)
         self.prefix_cache = PrefixCache()
         self.allocator.on_evict = self._evict
