@@ -187,7 +187,8 @@ COMMANDS = (
     Subcommand("trace", "write a seeded request trace (JSONL) for the benchmarks and the simulator",
                "pagedllm.workloads.traces"),
     Subcommand("simulate", "replay a trace through the real scheduler and KV manager with a step-time model: "
-                           "any model shape, any device, paged vs contiguous", "pagedllm.sim.simulate_cmd"),
+                           "any model shape, any device, paged vs contiguous; --replicas N behind a router",
+               "pagedllm.cluster.sim_replicas"),
     Subcommand("plan", "recommend block size, memory, batch limits and dtype for a trace, by simulation",
                "pagedllm.sim.plan"),
     Subcommand("tp-worker", "one tensor-parallel rank (RANK > 0) of a torchrun-style launch over several machines",

@@ -31,7 +31,7 @@ ALLOWED = {
     "parallel": BELOW_ENGINE | {"engine"},
     "llm": BELOW_ENGINE | {"engine", "parallel"},
     "server": BELOW_ENGINE | {"engine", "parallel", "llm", "pagedllm"},
-    "cluster": BELOW_ENGINE | {"engine", "parallel", "llm", "pagedllm", "server"},
+    "cluster": BELOW_ENGINE | {"engine", "parallel", "llm", "pagedllm", "server", "workloads", "sim"},
     "workloads": set(),
     "loadgen": {"workloads"},
     "sim": BELOW_ENGINE | {"engine", "llm", "pagedllm", "workloads"},
