@@ -109,3 +109,21 @@ def test_static_scales_belong_to_a_quantized_layer_of_their_shape():
         LayerKV.allocate(spec, 2, static_scales=torch.ones(2, 3))
     layer = LayerKV.allocate(spec, 2, static_scales=torch.ones(2, 2))
     assert len(layer.tensors) == 4 and len(layer.kernel_tensors) == 5  # block copies never move the scales
+
+
+def test_a_tensor_parallel_rank_keeps_its_kv_heads_share_of_the_scales(tmp_path):
+    """Per-head scales are written for the whole model; a rank's pool (holding 1 of 2 KV heads at
+    tensor_parallel_size=2) reads the model's list and keeps its own head's scale."""
+    from pagedllm.config import CacheConfig
+    from pagedllm.errors import ConfigError
+    from pagedllm.kvstore.storage import static_kv_scales
+
+    path = tmp_path / "scales.json"
+    path.write_text(json.dumps({"k_scale": [[0.125, 0.25], [0.5, 1.0]], "v_scale": [[2.0, 4.0], 8.0]}))
+    cache = CacheConfig(kv_cache_dtype="int8", kv_cache_scales=str(path))
+    rank_spec = KVSpec(torch.int8, 1, 64, 16, 2, "per_token_head", "int8")  # one KV head per rank
+    first, second = (static_kv_scales(cache, rank_spec, rank, 2) for rank in (0, 1))
+    assert (first.k, first.v) == (((0.125,), (0.5,)), ((2.0,), (8.0,)))
+    assert (second.k, second.v) == (((0.25,), (1.0,)), ((4.0,), (8.0,)))
+    with pytest.raises(ConfigError, match="lists 2 KV heads, the model has 4"):
+        static_kv_scales(cache, KVSpec(torch.int8, 2, 64, 16, 2, "per_token_head", "int8"), 0, 2)

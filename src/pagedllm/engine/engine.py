@@ -128,7 +128,7 @@ class Engine:
 
         from pagedllm.engine.kv_event_publisher import ZmqKVEventPublisher
 
-        if not hasattr(self.kv_manager, "hash_bytes"):
+        if config.cache.kv_layout != "paged":
             raise ConfigError("kv_events_endpoint: KV-cache events come from the prefix cache: kv_layout=paged only")
         ev = config.events
         try:
@@ -137,7 +137,7 @@ class Engine:
         except zmq.ZMQError as e:
             raise ConfigError(f"kv_events_endpoint: cannot bind {ev.kv_events_endpoint} or "
                               f"{ev.kv_events_replay_endpoint}: {e}") from None
-        self.kv_manager.events = KVEventLog("GPU" if config.device.startswith("cuda") else "CPU")
+        self.enable_kv_event_log()
 
     def enable_kv_event_log(self) -> None:
         """Record KV-cache events for in-process listeners (``kv_event_listeners``) even without a
@@ -156,9 +156,10 @@ class Engine:
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block (vLLM's ``reset_prefix_cache``): False while requests hold blocks."""
-        reset = getattr(self.kv_manager, "reset_prefix_cache", None)
-        done = bool(reset()) if reset is not None else False
-        if getattr(self.kv_manager, "events", None) is not None:
+        if self.config.cache.kv_layout != "paged":
+            return False  # the contiguous baseline caches nothing
+        done = self.kv_manager.reset_prefix_cache()
+        if self.kv_manager.events is not None:
             self._emit_kv_events()
         return done
 

@@ -10,7 +10,6 @@ with MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE set; rank 0 builds its engine
 
 from __future__ import annotations
 
-import atexit
 import os
 import weakref
 
@@ -47,8 +46,7 @@ def build_engine(options: EngineOptions | None = None, **overrides) -> Engine:
     except BaseException:
         group.stop(graceful=False)
         raise
-    weakref.finalize(engine, group.stop)
-    atexit.register(group.stop)
+    weakref.finalize(engine, group.stop)  # also runs at interpreter exit while the engine lives
     return engine
 
 
