@@ -18,9 +18,11 @@ from types import SimpleNamespace
 from pagedllm.bench.timers import median_ms
 from pagedllm.kvcache.block_map import block_map
 from pagedllm.kvcache.manager import KVCacheManager
-from pagedllm.server.dashboard import dashboard_state
+from pagedllm.server.dashboard_state import dashboard_state
+from pagedllm.server.metrics import ServerMetrics
 
 BLOCK_SIZE = 16
+METRICS = ServerMetrics()  # the page's token counter (zero here)
 
 
 def busy_manager(num_blocks: int) -> tuple[KVCacheManager, list]:
@@ -62,14 +64,15 @@ def main(sizes: list[int]) -> None:
     for n in sizes:
         kv, running = busy_manager(n)
         engine = fake_engine(kv, running)
-        state = dashboard_state(engine)
-        state_ms = median_ms(lambda e=engine: dashboard_state(e), 30, warmup=False)
+        state = dashboard_state(engine, METRICS)
+        state_ms = median_ms(lambda e=engine: dashboard_state(e, METRICS), 30, warmup=False)
         json_ms = median_ms(lambda s=state: json.dumps(s), 30, warmup=False)
         print(f"{n:>6} blocks, full ({state['counts']}): state {state_ms:.2f} ms "
               f"on the engine thread, JSON {json_ms:.2f} ms "
               f"({len(json.dumps(state)) / 1024:.0f} KiB) on the event loop")
         idle = fake_engine(KVCacheManager(n, BLOCK_SIZE), [], waiting=0)
-        print(f"{n:>6} blocks, idle: state {median_ms(lambda e=idle: dashboard_state(e), 30, warmup=False):.2f} ms")
+        idle_ms = median_ms(lambda e=idle: dashboard_state(e, METRICS), 30, warmup=False)
+        print(f"{n:>6} blocks, idle: state {idle_ms:.2f} ms")
 
 
 if __name__ == "__main__":

@@ -183,7 +183,8 @@ COMMANDS = (
     Subcommand("generate", "complete one prompt, streamed, with a summary line", "pagedllm.cli",
                "add_generate_args", "cmd_generate"),
     Subcommand("chat", "interactive chat, tokens streamed as they come", "pagedllm.cli", "add_chat_args", "cmd_chat"),
-    Subcommand("serve", "OpenAI-compatible HTTP server (FastAPI + uvicorn)", "pagedllm.server.serve"),
+    Subcommand("serve", "OpenAI-compatible HTTP server (FastAPI + uvicorn; --replicas N: on Ray Serve)",
+               "pagedllm.cluster.launch"),
     Subcommand("trace", "write a seeded request trace (JSONL) for the benchmarks and the simulator",
                "pagedllm.workloads.traces"),
     Subcommand("simulate", "replay a trace through the real scheduler and KV manager with a step-time model: "

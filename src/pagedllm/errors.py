@@ -42,3 +42,8 @@ class ModelLoadError(PagedLLMError):
 class EngineStopped(PagedLLMError):
     """The engine stopped and takes no more requests: under tensor parallelism a failed step or a
     dead worker rank ends it (the ranks' collectives cannot resume), naming the cause."""
+
+
+class ReplicaLost(PagedLLMError):
+    """The cluster replica serving a request stopped (it died or was removed) before the request
+    finished; its output so far is lost, and a retry goes to another replica."""

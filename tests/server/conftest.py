@@ -76,12 +76,12 @@ class ServerProcess:
 @contextlib.contextmanager
 def serve_on_thread(app, config=None):
     """Serve ``app`` with uvicorn on a thread, on a free loopback port; yields its base URL.
-    ``config``: a function (app, host, port) -> ``uvicorn.Config`` (default: uvicorn's own)."""
+    ``config``: a function (app, host, port) -> ``uvicorn.Config`` (default: uvicorn's, on asyncio's loop)."""
     import uvicorn
 
     port = free_port()
-    config = (config or (lambda a, h, p: uvicorn.Config(a, host=h, port=p, log_level="warning")))(app, "127.0.0.1",
-                                                                                                  port)
+    default = lambda a, h, p: uvicorn.Config(a, host=h, port=p, log_level="warning", loop="asyncio")  # as serve's
+    config = (config or default)(app, "127.0.0.1", port)
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
     thread.start()

@@ -87,7 +87,7 @@ def test_state_of_a_contiguous_server(tiny_folder):
 
     from pagedllm.engine.sampling_params import SamplingParams
     from pagedllm.server.app import build_app
-    from pagedllm.server.dashboard import dashboard_state
+    from pagedllm.server.dashboard_state import dashboard_state
     from tests.server.conftest import tiny_context
 
     ctx = tiny_context(tiny_folder, kv_layout="contiguous", num_kv_blocks=128, max_model_len=64)
@@ -101,7 +101,7 @@ def test_state_of_a_contiguous_server(tiny_folder):
             def one_step_in():  # on the engine thread: a request after its first step, holding its reservation
                 engine.add_request("held", [5, 6, 7, 8], SamplingParams(temperature=0, max_tokens=5))
                 engine.step()
-                return dashboard_state(engine)
+                return dashboard_state(engine, ctx.metrics)
 
             state = ctx.engine.call(one_step_in).result(30)
             assert state["tables"] == {"held": list(range(8))}  # max_model_len 64 / block size 8: one run of 8

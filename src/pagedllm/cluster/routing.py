@@ -24,6 +24,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import xxhash
+
 from pagedllm.kvcache.hashing import BlockHasher
 from pagedllm.kvcache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
@@ -54,8 +56,10 @@ class ReplicaState:
 
     def apply(self, events, seq: int | None = None) -> None:
         """A batch of the replica's KV events (``seq``: its sequence number; a gap makes the view
-        approximate, as does nothing when ``seq`` is None)."""
+        approximate; a batch already applied, met again in a replay, is skipped)."""
         if seq is not None:
+            if seq <= self.last_seq:
+                return
             if self.last_seq >= 0 and seq != self.last_seq + 1:
                 self.exact = False
             self.last_seq = seq
@@ -127,21 +131,26 @@ class PrefixAware:
         self.load_threshold = load_threshold
         self.fallback = PowerOfTwo(seed)
         self.decisions = {"prefix": 0, "overloaded": 0, "no_prefix": 0}  # why each choice was made
+        self.last_reason = ""  # why the latest choice was made (one of ``decisions``)
 
     def choose(self, hashes: Sequence[bytes], replicas: Sequence[ReplicaState]) -> int:
         matched = [r.prefix_blocks(hashes) for r in replicas]
         best = max(matched)
         if best == 0:
-            self.decisions["no_prefix"] += 1
+            self._decided("no_prefix")
             return self.fallback.choose(hashes, replicas)
         least = min(r.load for r in replicas)
         holders = [i for i, m in enumerate(matched) if m == best]
         i = min(holders, key=lambda k: replicas[k].load)
         if replicas[i].load - least > self.load_threshold or replicas[i].saturated:
-            self.decisions["overloaded"] += 1
+            self._decided("overloaded")
             return self.fallback.choose(hashes, replicas)
-        self.decisions["prefix"] += 1
+        self._decided("prefix")
         return i
+
+    def _decided(self, reason: str) -> None:
+        self.decisions[reason] += 1
+        self.last_reason = reason
 
 
 def request_block_hashes(hasher: BlockHasher, token_ids: Sequence[int], block_size: int,
@@ -151,6 +160,15 @@ def request_block_hashes(hasher: BlockHasher, token_ids: Sequence[int], block_si
     hashes: list[int] = []
     hasher.extend(hashes, token_ids, block_size, (salt or "").encode())
     return [h.to_bytes(hasher.digest_bits // 8, "little") for h in hashes]
+
+
+def hash_set_digest(hashes) -> str:
+    """A short digest of a set of block hashes (order-free): a replica's cached set and the router's
+    view of it are equal when their digests are (``/cluster`` shows both)."""
+    h = xxhash.xxh3_64()
+    for block_hash in sorted(hashes):
+        h.update(block_hash)
+    return f"{len(hashes)}:{h.hexdigest()}"
 
 
 ROUTING_POLICIES = {"prefix-aware": PrefixAware, "power-of-two": PowerOfTwo, "round-robin": RoundRobin}

@@ -68,15 +68,22 @@ class ZmqKVEventPublisher:
         self._pub.set_hwm(hwm)
         self._pub.bind(endpoint)  # raises zmq.ZMQError for an endpoint that cannot be bound
         self._replay = None
+        self._bound = [self._pub.getsockopt_string(zmq.LAST_ENDPOINT), None]
         if replay_endpoint:
             self._replay = self._context.socket(zmq.ROUTER)
             self._replay.bind(replay_endpoint)
+            self._bound[1] = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self._queue: queue.Queue[list[KVEvent] | None] = queue.Queue()
         self._next_seq = 0
         self.published = 0
         self._thread = threading.Thread(target=self._run, name="pagedllm-kv-events", daemon=True)
         self._thread.start()
+
+    def bound_endpoints(self) -> tuple[str, str | None]:
+        """The endpoints as bound (a wildcard port, ``tcp://*:*``, resolved to the one chosen):
+        the PUB socket's and the replay socket's (None without one)."""
+        return self._bound[0], self._bound[1]
 
     def publish(self, events: list[KVEvent]) -> None:
         if events:

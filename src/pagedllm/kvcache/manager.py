@@ -151,6 +151,11 @@ class KVCacheManager:
         """A block hash as the events carry it: its digest's bytes."""
         return block_hash.to_bytes(self.hasher.digest_bits // 8, "little")
 
+    def cached_block_hashes(self) -> set[bytes]:
+        """Every block hash the prefix cache holds, as the events carry them (what a subscriber's
+        replay of the events must equal)."""
+        return {self.hash_bytes(h) for h in self.prefix_cache.map}
+
     def _evict(self, block: Block) -> None:
         """The allocator reuses a cached block: its entry leaves the prefix cache."""
         if self.events is not None and self.prefix_cache.get(block.block_hash) is block:

@@ -25,7 +25,6 @@ from pagedllm.server.chat import create_batch_chat_completion, create_chat_compl
 from pagedllm.server.completions import create_completion
 from pagedllm.server.dashboard import install_dashboard
 from pagedllm.server.errors import ENGINE_DEAD, OpenAIError, install_error_handlers
-from pagedllm.server.metrics import engine_snapshot
 from pagedllm.server.openapi import install_openapi
 from pagedllm.server.protocol import (
     BatchChatCompletionRequest,
@@ -91,7 +90,7 @@ class _Body:
 # What ``--api-key`` guards: the OpenAI routes, the tokenizer routes and the dashboard's data (the
 # page and its assets hold none, so a browser can load them and send the key from ``#key=``).
 GUARDED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/tokenizer_info", "/invocations", "/load",
-                    "/dashboard/state")
+                    "/dashboard/state", "/cluster")
 
 
 def route_path(scope) -> str:
@@ -313,8 +312,6 @@ def build_app(ctx: ServerContext, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) 
 
     @app.get("/metrics")
     async def metrics():
-        engine = ctx.engine.engine
-        snapshot = await asyncio.wrap_future(ctx.engine.call(lambda: engine_snapshot(engine)))
-        return Response(ctx.metrics.render(snapshot), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(await ctx.render_metrics(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return app

@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedllm.engine.async_engine import EngineDeadError, EngineShutdown
 from pagedllm.engine.sampling_params import SamplingParams
-from pagedllm.errors import EngineStopped, InvalidRequest, PagedLLMError, RequestTooLong
+from pagedllm.errors import EngineStopped, InvalidRequest, PagedLLMError, ReplicaLost, RequestTooLong
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +81,8 @@ def as_openai_error(exc: BaseException) -> OpenAIError:
         return OpenAIError(503, ENGINE_DEAD, code="engine_dead")
     if isinstance(exc, EngineStopped):  # a tensor-parallel engine after a failed step or a dead worker
         return OpenAIError(503, str(exc), code="engine_dead")
+    if isinstance(exc, ReplicaLost):  # a cluster replica died under the request: retrying goes elsewhere
+        return OpenAIError(503, str(exc), code="replica_lost", headers={"Retry-After": "1"})
     if isinstance(exc, PagedLLMError):
         return OpenAIError(500, str(exc))
     log.error("unexpected error while serving a request", exc_info=exc)

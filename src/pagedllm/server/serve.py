@@ -59,11 +59,14 @@ def startup_line(engine: Engine, url: str, model_name: str) -> str:
 
 def uvicorn_config(app, host: str, port: int, limits: ServerLimits | None = None,
                    log_level: str = "warning", root_path: str = "") -> uvicorn.Config:
-    """uvicorn's config for ``app``: h11 with the header read timeout (``server/timeouts.py``);
-    ``root_path``: the prefix a proxy serves it under (``--root-path /llm``: ``/llm/v1/...``)."""
+    """uvicorn's config for ``app``: h11 with the header read timeout (``server/timeouts.py``) on
+    asyncio's own event loop (uvloop, which Ray Serve installs, would otherwise be taken: the
+    server stays as it was measured and tested); ``root_path``: the prefix a proxy serves it under
+    (``--root-path /llm``: ``/llm/v1/...``)."""
     limits = limits or ServerLimits()
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False, root_path=root_path,
-                          timeout_graceful_shutdown=10, http=header_timeout_protocol(limits.header_timeout_s))
+                          timeout_graceful_shutdown=10, http=header_timeout_protocol(limits.header_timeout_s),
+                          loop="asyncio")
 
 
 def set_chat_template(engine: Engine, template: str) -> None:
@@ -165,19 +168,28 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     add_option_args(p)
 
 
-def main(args) -> int:
-    """``pagedllm serve``: the engine options and server flags of a parsed command line, served."""
+def options_from_args(args) -> dict:
+    """The engine options of a parsed ``serve`` command line (MODEL or ``--model``)."""
     options = engine_options(args)
     if args.model_path is not None:
         if options.get("model") not in (None, args.model_path):
             raise ValueError("give the model once: as MODEL or as --model")
         options["model"] = args.model_path
+    return options
+
+
+def limits_from_args(args) -> ServerLimits:
     try:
-        limits = ServerLimits(max_prompt_bytes=args.max_prompt_bytes, max_logit_bias=args.max_logit_bias,
-                              max_stop=args.max_stop, default_chat_max_tokens=args.default_chat_max_tokens,
-                              header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout)
+        return ServerLimits(max_prompt_bytes=args.max_prompt_bytes, max_logit_bias=args.max_logit_bias,
+                            max_stop=args.max_stop, default_chat_max_tokens=args.default_chat_max_tokens,
+                            header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout)
     except ValidationError as e:
         raise ConfigError(describe_error(e)) from None
+
+
+def main(args) -> int:
+    """``pagedllm serve``: the engine options and server flags of a parsed command line, served."""
+    options, limits = options_from_args(args), limits_from_args(args)
     return serve(options, host=args.host, port=args.port, api_keys=tuple(args.api_key or ()),
                  served_model_name=args.served_model_name, max_queue=args.max_queue,
                  max_body_bytes=args.max_body_bytes, uvicorn_log_level=args.uvicorn_log_level, limits=limits,

@@ -26,9 +26,10 @@ from pagedllm.engine.outputs import RequestOutput
 from pagedllm.engine.sampling_params import SamplingParams, logprobs_count
 from pagedllm.engine.structured_output import GRAMMAR_REJECTED
 from pagedllm.errors import InvalidRequest, require_utf8
+from pagedllm.server.dashboard_state import dashboard_state
 from pagedllm.server.errors import OpenAIError, as_openai_error
 from pagedllm.server.limits import ServerLimits
-from pagedllm.server.metrics import ServerMetrics
+from pagedllm.server.metrics import ServerMetrics, engine_snapshot
 
 STEP_FAILED = ("the engine step running this request failed, so it was not completed; other requests are "
                "unaffected and a retry may succeed (the cause is in the server's log)")
@@ -169,6 +170,17 @@ class ServerContext:
                                   f"{self.capacity}; retry later", code="queue_full", headers={"Retry-After": "1"})
             self.admitted += num_seqs
         return Admission(self, num_seqs)
+
+    async def render_metrics(self) -> bytes:
+        """``/metrics``: the engine's state read between two steps, and the request metrics."""
+        engine = self.engine.engine
+        snapshot = await asyncio.wrap_future(self.engine.call(lambda: engine_snapshot(engine)))
+        return self.metrics.render(snapshot)
+
+    async def dashboard_state(self) -> dict:
+        """``/dashboard/state``: the KV pool, queues and counters at one engine step."""
+        engine = self.engine.engine
+        return await asyncio.wrap_future(self.engine.call(lambda: dashboard_state(engine, self.metrics)))
 
     def _release(self, num_seqs: int) -> None:
         with self._admit_lock:

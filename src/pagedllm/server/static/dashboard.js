@@ -2,6 +2,8 @@
 // and redraws: the block grid (one canvas cell per block, drawn through ImageData so 65,536
 // blocks stay fast), per-state counts, usage and hit rate over time (a hand-drawn canvas chart),
 // tokens/s and the running / waiting queues. The history behind the chart lives only here.
+// A cluster's ingress (pagedllm serve --replicas N) answers with every replica's state; the page
+// then shows a selector (each replica with its usage) and draws the chosen replica's pool.
 "use strict";
 (() => {
   // The one definition of the state colours; the legend swatches are painted from it.
@@ -26,7 +28,8 @@
   const PACKED = NAMES.map((name) => pack(COLORS[name]));
   const PACKED_BACKGROUND = pack(BACKGROUND);
 
-  let state = null;       // the latest dashboard/state
+  let state = null;       // the latest dashboard/state (of the replica shown, in a cluster)
+  let replica = params.get("replica");  // the replica shown, in a cluster
   let layout = null;      // grid geometry (CSS pixels) for state.num_blocks
   let image = null;       // ImageData the grid is drawn into
   let owner = null;       // block id -> index into ownerIds, -1 none, -2 several
@@ -231,12 +234,37 @@
     return key ? { Authorization: `Bearer ${key}` } : {};
   }
 
+  // A cluster's answer ({replicas: [...]}) -> the state of the replica shown, the selector kept current.
+  function pick(data) {
+    if (!data.replicas) return data;
+    const select = $("replica");
+    $("replicas").hidden = false;
+    if (!data.replicas.length) throw new Error("no replica has reported yet");
+    if (!data.replicas.some((r) => r.replica === replica)) replica = data.replicas[0].replica;
+    select.replaceChildren(...data.replicas.map((r) => {
+      const option = document.createElement("option");
+      option.value = r.replica;
+      option.textContent = `${r.replica} · ${percent(r.usage)} used · ${r.running.length} running`;
+      option.selected = r.replica === replica;
+      return option;
+    }));
+    $("replica-count").textContent = `${data.replicas.length} replicas, ${data.routing} routing`;
+    return data.replicas.find((r) => r.replica === replica);
+  }
+
+  $("replica").addEventListener("change", (e) => {
+    replica = e.target.value;
+    history.length = 0;  // another replica's history
+    state = null;        // until its first poll
+    layout = null;
+  });
+
   async function poll() {
     try {
       const r = await fetch("dashboard/state", { cache: "no-store", headers: authHeaders() });
       if (r.status === 401) throw new Error("this server needs its API key: open /dashboard#key=KEY");
       if (!r.ok) throw new Error(`HTTP ${r.status}`);
-      update(await r.json());
+      update(pick(await r.json()));
       setStatus(`live, every ${INTERVAL_MS} ms`, false);
     } catch (e) {
       setStatus(`disconnected (${e.message}); retrying`, true);

@@ -1,0 +1,92 @@
+"""The cluster's pure parts, without Ray running: merging the replicas' metrics, the one-line
+startup error, the replica board's expiry, the cluster flags' checks, the feed's replay order."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from pagedllm.cluster.app import ClusterConfig
+from pagedllm.cluster.ingress import ReplicaBoard, merged_metrics
+from pagedllm.cluster.launch import replica_error
+from pagedllm.cluster.routing import ReplicaState, hash_set_digest
+from pagedllm.kvcache.kv_events import BlockRemoved, BlockStored
+
+
+def replica_text(tokens: float, usage: float) -> str:
+    registry = CollectorRegistry()
+    Counter("pagedllm:generation_tokens", "tokens", registry=registry).inc(tokens)
+    Gauge("pagedllm:kv_cache_usage_perc", "usage", registry=registry).set(usage)
+    return generate_latest(registry).decode()
+
+
+def test_each_replicas_series_keeps_its_family_with_a_replica_label():
+    registry = CollectorRegistry()
+
+    class Merged:
+        def collect(self):
+            yield from merged_metrics({"a": replica_text(5, 0.25), "b": replica_text(7, 0.5)})
+
+    registry.register(Merged())
+    text = generate_latest(registry).decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    tokens = {s.labels["replica"]: s.value for s in families["pagedllm:generation_tokens"].samples
+              if s.name.endswith("_total")}
+    assert tokens == {"a": 5.0, "b": 7.0} and families["pagedllm:generation_tokens"].type == "counter"
+    usage = {s.labels["replica"]: s.value for s in families["pagedllm:kv_cache_usage_perc"].samples}
+    assert usage == {"a": 0.25, "b": 0.5}
+    assert text.count("# TYPE pagedllm:kv_cache_usage_perc gauge") == 1  # one family, both replicas' samples
+
+
+def test_a_replicas_startup_error_is_found_in_rays_message():
+    wall = ("Deploying application x failed.\nThe deployment failed to start 3 times in a row. Error:\n"
+            "  File \"replica.py\", line 62, in __init__\n"
+            "RuntimeError: pagedllm replica could not start: ModelLoadError: model '/x.gguf' not found: give a "
+            "local .gguf file\n  more traceback")
+    assert replica_error(wall) == ("pagedllm replica could not start: ModelLoadError: model '/x.gguf' not found: "
+                                   "give a local .gguf file")
+    assert replica_error("Something else failed.\nwith details") == "Something else failed."
+
+
+def test_a_silent_replica_leaves_the_board(monkeypatch):
+    board, now = ReplicaBoard(ttl_s=5), [100.0]
+    monkeypatch.setattr("pagedllm.cluster.ingress.time.monotonic", lambda: now[0])
+    board.put("a", {"n": 1})
+    now[0] += 3
+    board.put("b", {"n": 2})
+    assert list(board.live()) == ["a", "b"]
+    now[0] += 3  # a: 6 s silent
+    assert board.live() == {"b": {"n": 2}}
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"num_replicas": 0}, "--replicas"), ({"routing": "random"}, "--routing"),
+    ({"load_threshold": -1}, "--routing-load-threshold"), ({"num_cpus": -1}, "--replica-cpus"),
+    ({"num_replicas": 5, "max_replicas": 4}, "--max-replicas 4"), ({"target_ongoing_requests": 0}, "--target"),
+])
+def test_cluster_flags_are_checked(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ClusterConfig(**kwargs)
+
+
+def test_autoscaling_options_are_ray_serves():
+    fixed = ClusterConfig(num_replicas=3)
+    assert fixed.replica_count_options() == {"num_replicas": 3} and fixed.most_replicas == 3
+    scaled = ClusterConfig(num_replicas=2, min_replicas=1, max_replicas=6, target_ongoing_requests=4)
+    assert scaled.replica_count_options() == {"autoscaling_config": {
+        "min_replicas": 1, "max_replicas": 6, "initial_replicas": 2, "target_ongoing_requests": 4}}
+    assert scaled.most_replicas == 6
+
+
+def test_a_replayed_batch_is_applied_once_and_the_digest_follows_the_set():
+    state = ReplicaState("r")
+    hashes = [bytes([i]) * 16 for i in range(4)]
+    stored = BlockStored(hashes, None, list(range(32)), 8, None, "CPU")
+    state.apply([stored], seq=0)
+    state.apply([BlockRemoved(hashes[3:])], seq=1)
+    state.apply([stored], seq=0)  # replayed after it was published: already applied
+    state.apply([BlockRemoved(hashes[3:])], seq=1)
+    assert state.exact and list(state.cached) == hashes[:3]
+    assert hash_set_digest(state.cached) == hash_set_digest(set(hashes[:3])) != hash_set_digest(set(hashes))
+    assert hash_set_digest(set(hashes[:3])).startswith("3:")
