@@ -138,10 +138,13 @@ def main() -> None:
     p.add_argument("--port", type=int, default=8390)
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None)
+    p.add_argument("--trace-out", default=None, help="also write the trace here (for `pagedllm simulate --trace`)")
     p.add_argument("engine_args", nargs="*", help="more `pagedllm serve` flags, after --")
     args = p.parse_args()
     trace = chat_trace(args.conversations, args.turns, args.rate, args.system_len, args.user_len, args.answer_len,
                        args.think, args.seed)
+    if args.trace_out:
+        write_trace(args.trace_out, trace)
     with tempfile.TemporaryDirectory() as tmp:
         trace_path = str(Path(tmp) / "chat.jsonl")
         write_trace(trace_path, trace)

@@ -90,3 +90,21 @@ def test_a_replayed_batch_is_applied_once_and_the_digest_follows_the_set():
     assert state.exact and list(state.cached) == hashes[:3]
     assert hash_set_digest(state.cached) == hash_set_digest(set(hashes[:3])) != hash_set_digest(set(hashes))
     assert hash_set_digest(set(hashes[:3])).startswith("3:")
+
+
+def test_the_event_feed_sleeps_while_it_watches_no_replica():
+    """Before any replica is watched the feed has nothing to poll; zmq's poll then returns at once,
+    and the feed's thread spun a core, starving the ingress (its start-up took a minute)."""
+    import time
+
+    from pagedllm.cluster.event_feed import KVEventFeed
+
+    feed = KVEventFeed()
+    try:
+        time.sleep(0.2)
+        cpu0, wall0 = time.process_time(), time.monotonic()
+        time.sleep(1.0)
+        busy = (time.process_time() - cpu0) / (time.monotonic() - wall0)
+    finally:
+        feed.close()
+    assert busy < 0.3, f"the idle feed kept {busy:.0%} of a core busy"

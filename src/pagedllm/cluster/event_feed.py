@@ -75,6 +75,9 @@ class KVEventFeed:
                     poller.register(sub, zmq.POLLIN)
                     if replay:
                         self._replay(replay, state)
+                if not by_socket:  # zmq's poll returns at once with nothing to poll: wait instead of spinning
+                    self._stop.wait(0.1)
+                    continue
                 for sock, _ in poller.poll(100):
                     while True:
                         try:

@@ -19,7 +19,7 @@ import logging
 import re
 import secrets
 import signal
-import threading
+import time
 
 from pydantic import ValidationError
 
@@ -98,6 +98,10 @@ def stop(started_ray: bool, app_name: str = APP_NAME) -> None:
             ray.shutdown()
 
 
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
 def cluster_config(args) -> ClusterConfig:
     try:
         return ClusterConfig(num_replicas=args.replicas, min_replicas=args.min_replicas,
@@ -126,21 +130,26 @@ def serve_cluster(args, options: dict, limits: ServerLimits) -> int:
                                salt_per_key=args.cache_salt_per_key, limits=limits,
                                tool_call_parser=args.tool_call_parser, metrics_prefix=args.metrics_prefix,
                                max_body_bytes=args.max_body_bytes, chat_template=args.chat_template)
-    stopping = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stopping.set())
+    signal.signal(signal.SIGTERM, _interrupt)  # while starting, SIGTERM as Ctrl-C: undo what started
     try:
         started = start(options, cluster, settings, args.host, args.port, args.ray_address)
     except ClusterStartError as e:
         log.error("%s", e)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C while starting: undo what started
+        stop(args.ray_address is None)
+        return 130
+    stopping: list[int] = []  # the signal handler only appends: no lock a handler could deadlock on
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, _frame: stopping.append(signum))
     try:
         count = (f"{cluster.min_replicas or 1}-{cluster.most_replicas}" if cluster.autoscaling
                  else cluster.num_replicas)
         log.info("pagedllm cluster serving at http://%s:%d/v1 | %s replicas (%s routing), %g CPUs each%s | "
                  "GET /cluster for the router's view", args.host, args.port, count, cluster.routing, cluster.num_cpus,
                  f", {cluster.num_gpus:g} GPUs each" if cluster.num_gpus else "")
-        stopping.wait()
+        while not stopping:
+            time.sleep(0.2)
         log.info("stopping the cluster")
     finally:
         stop(started)

@@ -62,7 +62,7 @@ def _unwrapped(exc: BaseException) -> BaseException:
         if cause is not None and not isinstance(cause, RayError):
             log.error("a replica failed a request: %r", cause)
             return cause
-    if isinstance(exc, RayError | asyncio.CancelledError):
+    if isinstance(exc, RayError):
         return ReplicaLost("the replica serving this request stopped before it finished; retry (another replica "
                            "takes it)")
     return exc
@@ -88,6 +88,9 @@ class RemoteStream:
             return await self._response.__anext__()
         except StopAsyncIteration:
             self._end()
+            raise
+        except asyncio.CancelledError:  # our own task was cancelled (the client left): not the replica's fault
+            self.close()
             raise
         except BaseException as exc:
             self._end()

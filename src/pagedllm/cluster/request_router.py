@@ -26,7 +26,7 @@ module by value: what it must share with the rest of the process lives in other 
 
 from __future__ import annotations
 
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
@@ -42,6 +42,8 @@ from pagedllm.cluster.routing import (
     request_block_hashes,
 )
 from pagedllm.kvcache.hashing import BlockHasher
+
+MAX_PENDING_CHOICES = 10_000
 
 
 @dataclass(frozen=True)
@@ -70,7 +72,7 @@ class KVAwareRequestRouter(FIFOMixin, RequestRouter):
         self.routed_total: Counter = Counter()  # replica -> requests routed there
         self.reasons: Counter = Counter()
         self.decisions: deque[Decision] = deque(maxlen=1000)
-        self._choices: dict[str, tuple[Decision, list[bytes]]] = {}  # internal request id -> its choice
+        self._choices: OrderedDict[str, tuple[Decision, list[bytes]]] = OrderedDict()  # internal id -> choice
         self.feed = KVEventFeed(topic) if routing == "prefix-aware" else None
         router_registry.register(self.app_name, self._deployment_id.name, self)
 
@@ -94,6 +96,8 @@ class KVAwareRequestRouter(FIFOMixin, RequestRouter):
                                 chosen.replica_id.unique_id, reason, held,
                                 {s.replica_id: s.load for s in states})
             self._choices[pending_request.metadata.internal_request_id] = (decision, hashes)
+            while len(self._choices) > MAX_PENDING_CHOICES:  # requests cancelled before they were sent
+                self._choices.popitem(last=False)
         rest = sorted((r for r in candidate_replicas if r is not chosen),
                       key=lambda r: self.states[r.replica_id.unique_id].load)
         return [[chosen], rest] if rest else [[chosen]]
