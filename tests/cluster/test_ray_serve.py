@@ -160,6 +160,11 @@ def test_a_follow_up_turn_goes_to_the_replica_that_served_the_conversation(clust
     assert decision["replica"] == replica and decision["reason"] == "prefix"
     assert decision["prefix_blocks"] >= prompt_blocks - 1  # the first turn's blocks, less the generation prompt's
     assert second.usage.prompt_tokens_details.cached_tokens >= (prompt_blocks - 1) * BLOCK
+    # another cache_salt hashes apart: the router finds no replica holding any of it
+    salted = client.chat.completions.create(model="tiny", messages=conversation(2), max_tokens=2, temperature=0,
+                                            extra_body={"cache_salt": "tenant-b"})
+    assert decision_of(cluster, salted.id)["reason"] == "no_prefix"
+    assert salted.usage.prompt_tokens_details.cached_tokens == 0
 
 
 def test_a_saturated_prefix_holder_is_passed_over_for_the_least_loaded(cluster, client):

@@ -18,11 +18,11 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import OrderedDict
-from collections.abc import Callable
 from pathlib import Path
 
 from ray.exceptions import RayError, RayTaskError
 
+from pagedllm.engine.async_engine import StreamEnd
 from pagedllm.engine.outputs import RequestOutput
 from pagedllm.engine.structured_output import StructuredOutputManager
 from pagedllm.errors import PagedLLMError, ReplicaLost
@@ -68,14 +68,13 @@ def _unwrapped(exc: BaseException) -> BaseException:
     return exc
 
 
-class RemoteStream:
+class RemoteStream(StreamEnd):
     """One request's deltas from its replica (the interface of ``async_engine.RequestStream``)."""
 
     def __init__(self, response, request_id: str) -> None:
+        super().__init__()
         self._response, self.request_id = response, request_id
         self.replica: str | None = None
-        self.finished = False
-        self._on_done: list[Callable[[], None]] = []
 
     async def start(self) -> str:
         """Wait for the replica to accept the request (or raise its refusal); returns its id."""
@@ -98,20 +97,6 @@ class RemoteStream:
             if error is exc:
                 raise
             raise error from None
-
-    def on_done(self, fn: Callable[[], None]) -> None:
-        if self.finished:
-            fn()
-        else:
-            self._on_done.append(fn)
-
-    def _end(self) -> None:
-        if self.finished:
-            return
-        self.finished = True
-        callbacks, self._on_done = self._on_done, []
-        for fn in callbacks:
-            fn()
 
     def __aiter__(self) -> RemoteStream:
         return self

@@ -49,13 +49,10 @@ class EngineShutdown(PagedLLMError):
     """The engine is shutting down; the request was aborted."""
 
 
-class RequestStream:
-    """One request's outputs, as the engine thread hands them out. ``close()`` (or leaving an
-    ``async for`` through ``aclose``) aborts the request if it has not finished."""
+class StreamEnd:
+    """What every request stream has: ``finished``, and callbacks run once when it ends."""
 
-    def __init__(self, engine: AsyncEngine, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
-        self.engine, self.request_id, self.loop = engine, request_id, loop
-        self.queue: asyncio.Queue = asyncio.Queue()
+    def __init__(self) -> None:
         self.finished = False
         self._on_done: list[Callable[[], None]] = []
 
@@ -67,10 +64,22 @@ class RequestStream:
             self._on_done.append(fn)
 
     def _end(self) -> None:
+        if self.finished:
+            return
         self.finished = True
         callbacks, self._on_done = self._on_done, []
         for fn in callbacks:
             fn()
+
+
+class RequestStream(StreamEnd):
+    """One request's outputs, as the engine thread hands them out. ``close()`` (or leaving an
+    ``async for`` through ``aclose``) aborts the request if it has not finished."""
+
+    def __init__(self, engine: AsyncEngine, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__()
+        self.engine, self.request_id, self.loop = engine, request_id, loop
+        self.queue: asyncio.Queue = asyncio.Queue()
 
     def put(self, item: RequestOutput | BaseException) -> None:  # engine thread
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
