@@ -146,11 +146,6 @@ class ClusterEngine:
         stream.on_done(lambda: self._open.pop(request_id, None))
         return stream
 
-    def abort(self, request_id: str) -> None:
-        stream = self._open.get(request_id)
-        if stream is not None:
-            stream.close()
-
     def shutdown(self) -> None:
         self._stopping = True
         for stream in list(self._open.values()):

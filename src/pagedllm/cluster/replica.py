@@ -113,18 +113,20 @@ class EngineReplica:
         if self._ingress is not None and self._reporter is None:
             self._reporter = asyncio.get_running_loop().create_task(self._report_loop())
 
-    def _read_report(self) -> dict:  # the engine thread: one step's series and blocks
+    def _read_report(self) -> dict:  # the engine thread: one step's counts, blocks and cached set
         engine = self.engine.engine
         state = dashboard_state(engine, self.metrics)
         cached = engine.kv_manager.cached_block_hashes() if engine.config.cache.kv_layout == "paged" else set()
-        return {"metrics": self.metrics.render(engine_snapshot(engine)).decode(), "dashboard": state,
-                "kv_events": self.kv_events, "pid": os.getpid(), "cached_digest": hash_set_digest(cached),
-                "time": time.time()}
+        return {"snapshot": engine_snapshot(engine), "dashboard": state, "cached": cached}
 
     async def _report_loop(self) -> None:
         while True:
             try:
-                report = await asyncio.wrap_future(self.engine.call(self._read_report))
+                read = await asyncio.wrap_future(self.engine.call(self._read_report))
+                # rendered and digested here, off the engine thread (which only copied them out)
+                report = {"metrics": self.metrics.render(read["snapshot"]).decode(), "dashboard": read["dashboard"],
+                          "kv_events": self.kv_events, "pid": os.getpid(),
+                          "cached_digest": hash_set_digest(read["cached"]), "time": time.time()}
                 await self._ingress.report.remote(self.replica_id, report)
             except asyncio.CancelledError:
                 raise
