@@ -231,6 +231,8 @@ BENCHMARKS = (
                       "table", "pagedllm.bench.compare"),
     _bench("accuracy", "perplexity, KL and teacher-forced agreement of each KV format and weight mode against "
                        "float32", "pagedllm.bench.accuracy", engine_options=False),
+    _bench("speculative", "speculative decoding (ngram, suffix) vs none: edit, code and random prompts at several "
+                          "batch sizes, alternating runs", "pagedllm.bench.speculative_bench"),
     _bench("serve-offline", "the bench serve workload through LLM.generate in-process (the server's baseline)",
            "pagedllm.bench.serve_offline"),
 )

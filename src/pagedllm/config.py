@@ -190,8 +190,75 @@ class EventsConfig:
     kv_events_topic: str = Field("", description="the topic frame of every KV event message (vLLM's default: empty)")
 
 
+SPECULATIVE_METHODS = ("ngram", "suffix")  # engine/speculative/: guesses taken from text already seen
+
+
 @pydantic_dataclass(frozen=True, config=_STRICT)
-class EngineOptions(EventsConfig, CacheConfig, SchedulerConfig, LoadOptions):
+class SpeculativeConfig:
+    """Speculative decoding without a draft model (vLLM's ``speculative_config`` where it fits; see
+    docs/speculative.md): each step a running request may verify up to ``num_speculative_tokens``
+    guessed tokens in one chunk, accepted while they equal the tokens the model samples."""
+
+    method: Literal[SPECULATIVE_METHODS] = Field(
+        description="ngram: prompt lookup (the last n tokens found earlier in the request's own tokens); "
+                    "suffix: a suffix tree over the request's tokens and recent requests' outputs")
+    num_speculative_tokens: PositiveInt = Field(7, description="most tokens guessed per request and step")
+    prompt_lookup_min: PositiveInt = Field(2, description="ngram: the shortest n-gram matched")
+    prompt_lookup_max: PositiveInt = Field(5, description="ngram: the longest n-gram matched (tried first)")
+    suffix_decoding_max_tree_depth: PositiveInt = Field(
+        24, description="suffix: the longest suffix (pattern + guess) the trees hold")
+    suffix_decoding_max_cached_requests: Annotated[int, Field(strict=True, ge=0)] = Field(
+        1000, description="suffix: finished requests whose outputs the global tree keeps (oldest dropped)")
+    suffix_decoding_max_spec_factor: Annotated[float, Field(gt=0, allow_inf_nan=False)] = Field(
+        1.0, description="suffix: a guess is at most this factor times the matched pattern's length")
+    suffix_decoding_min_token_prob: Annotated[float, Field(ge=0, le=1)] = Field(
+        0.1, description="suffix: a guess stops at a token whose estimated probability falls below this")
+    disable_by_batch_size: PositiveInt | None = Field(
+        4, description="no guesses in a step with more running requests than this (measured: docs/speculative.md)")
+
+    def __post_init__(self) -> None:
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) must be at most "
+                             f"prompt_lookup_max ({self.prompt_lookup_max})")
+
+
+def parse_speculative_config(value):
+    """A ``SpeculativeConfig`` from itself, a dict, or a JSON object string (the CLI's
+    ``--speculative-config '{"method": "ngram"}'``); None stays None."""
+    import json
+
+    if value is None or isinstance(value, SpeculativeConfig):
+        return value
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"not a JSON object: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError('give a dict or a JSON object such as {"method": "ngram"}')
+    try:
+        return SpeculativeConfig(**value)
+    except ValidationError as e:
+        raise ValueError(describe_error(e)) from None
+    except TypeError as e:
+        raise ValueError(str(e)) from None
+
+
+SpeculativeOption = Annotated[SpeculativeConfig | None, PlainValidator(parse_speculative_config)]
+
+
+@pydantic_dataclass(frozen=True, config=_STRICT)
+class SpeculationOptions:
+    """Speculative decoding (engine/speculative/)."""
+
+    speculative_config: SpeculativeOption = Field(
+        None, description='speculative decoding without a draft model, e.g. {"method": "ngram"} or '
+                          '{"method": "suffix", "num_speculative_tokens": 7} (JSON on the command line); '
+                          "see docs/speculative.md")
+
+
+@pydantic_dataclass(frozen=True, config=_STRICT)
+class EngineOptions(SpeculationOptions, EventsConfig, CacheConfig, SchedulerConfig, LoadOptions):
     """Every option of an engine, in one flat object (``LLM(**options)``, CLI flags, docs table)."""
 
     max_model_len: PositiveInt | None = Field(None, description="longest prompt + output; default: the model's "
@@ -321,6 +388,7 @@ class EngineConfig:
     quantization: Literal[QUANTIZATIONS[1:]] = "none"  # resolved (see build_engine for "auto")
     tensor_parallel_size: int = 1  # ranks the model is split over (parallel/)
     events: EventsConfig = field(default_factory=EventsConfig)  # KV-cache events (engine/kv_event_publisher.py)
+    speculative: SpeculativeConfig | None = None  # speculative decoding (engine/speculative/)
 
 
 if __name__ == "__main__":  # python -m pagedllm.config: the option table for docs/api.md

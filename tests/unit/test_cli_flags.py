@@ -12,11 +12,13 @@ import pytest
 from pydantic import ByteSize
 
 from pagedllm.cli import engine_options, make_parser
-from pagedllm.config import EngineOptions, option_choices, option_fields
+from pagedllm.config import EngineOptions, SpeculativeConfig, option_choices, option_fields
 
 # values for options whose default says nothing of a valid value (None, or a str with few values)
 SAMPLES = {"model": "org/some-model", "device": "cpu", "kv_cache_scales": "kv_scales.json",
-           "kv_events_endpoint": "tcp://*:5557", "kv_events_replay_endpoint": "tcp://*:5558", "kv_events_topic": "kv"}
+           "kv_events_endpoint": "tcp://*:5557", "kv_events_replay_endpoint": "tcp://*:5558", "kv_events_topic": "kv",
+           "speculative_config": '{"method": "suffix", "num_speculative_tokens": 3}'}
+PARSED = {"speculative_config": SpeculativeConfig(method="suffix", num_speculative_tokens=3)}  # a flag's value read
 
 
 def commands(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):
@@ -64,7 +66,7 @@ def engine_values(name: str, info) -> list[tuple[list[str], object]]:
     if info.annotation is int or isinstance(info.default, int) or info.default is None and name not in SAMPLES:
         value = info.default * 2 if isinstance(info.default, int) and info.default else 2048
         return [([flag, str(value)], value)]
-    return [([flag, SAMPLES[name]], SAMPLES[name])]
+    return [([flag, SAMPLES[name]], PARSED.get(name, SAMPLES[name]))]
 
 
 def engine_group(parser: argparse.ArgumentParser) -> set[str]:

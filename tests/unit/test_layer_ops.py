@@ -106,6 +106,25 @@ def test_cpp_int4_matmul_equals_dense_at_every_row_count(ops, kind, dtype):
         close(out, x[:rows].float() @ dense.T, dtype)
 
 
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
+def test_small_step_kernels_compute_each_row_alone_bit_for_bit(ops, kind):
+    """A row's result is the same whatever rows share its call (speculative decoding verifies a
+    guess in a step of several rows and must compute what the guess's own decode step would):
+    our C++ 4-bit kernel (its one-row body once rounded differently), the Q8_0 kernel, and torch's
+    int4 kernel up to the rows it runs (KernelPlan.int4_rows)."""
+    blocks, _ = gguf_weight(kind, 80, 288, seed=6)  # 9 blocks per row: 8 at once, and a tail
+    x = torch.randn(16, 288, generator=torch.Generator().manual_seed(6))
+    q8_blocks, _ = gguf_weight("Q8_0", 80, 288, seed=6)
+    kernels = [quantized_matmul(blocks, torch.float32, ops, "cpp"), Int8BlockMatmul(q8_blocks, ops),
+               Int4Matmul(blocks, torch.bfloat16)]
+    for kernel in kernels:
+        xs = x.bfloat16() if isinstance(kernel, Int4Matmul) else x
+        rows = 8 if isinstance(kernel, Int4Matmul) else 16
+        alone = torch.cat([kernel(xs[i:i + 1]) for i in range(rows)])
+        for m in range(2, rows + 1):
+            assert torch.equal(kernel(xs[:m]), alone[:m]), (type(kernel).__name__, m)
+
+
 def test_cpp_int4_matmul_refuses_scales_float16_cannot_hold(ops):
     blocks, _ = gguf_weight("Q4_1", 32, 64)
     odd = BlockQuantized(blocks.codes, blocks.scale + 1e-6, blocks.minimum)

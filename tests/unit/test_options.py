@@ -15,6 +15,7 @@ from pagedllm.config import (
     EventsConfig,
     LoadOptions,
     SchedulerConfig,
+    SpeculationOptions,
     option_choices,
     option_fields,
 )
@@ -75,7 +76,7 @@ def test_docs_option_table_is_generated_from_the_options():
 
 def test_every_option_has_one_definition_and_the_component_defaults_agree():
     fields = option_fields()
-    parts = [option_fields(c) for c in (LoadOptions, SchedulerConfig, CacheConfig, EventsConfig)]
+    parts = [option_fields(c) for c in (LoadOptions, SchedulerConfig, CacheConfig, EventsConfig, SpeculationOptions)]
     assert set(fields) == set().union(*parts) and sum(map(len, parts)) == len(fields)
     for part in parts:
         for name, info in part.items():

@@ -97,7 +97,7 @@ def simulate_replicas(trace: list[TraceRequest], timing: StepTimeModel, cache: C
                 rep.clock = max(rep.clock, pending[0][0].arrival)
             continue
         rep.clock += timing.step_seconds(out)
-        sampled = {c.request_id: STAND_IN_TOKEN for c in out.chunks if c.sample}
+        sampled = {c.request_id: [STAND_IN_TOKEN] for c in out.chunks if c.sample}
         for req in rep.sched.update(out, sampled):
             rec = by_id[req.request_id]
             if rec.first_token is None:

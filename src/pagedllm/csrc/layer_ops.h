@@ -439,12 +439,16 @@ constexpr Q8Rows kQ8Rows[] = {q8_0_rows<1>, q8_0_rows<2>, q8_0_rows<3>, q8_0_row
 // R rows of x (float32, row stride K) times rows [begin, end) of a 4-bit weight in GGUF's Q4_0/Q4_1
 // block layout: 16 bytes per 32 weights, byte j holding weight j in its low nibble and weight j + 16
 // in its high one, and per block a (scale, minimum) pair in float16 (GGUF's own, exact), w = scale
-// * q + minimum. For one row (and in the generic body) the minimum's share, minimum * sum(x over
-// the block), is one more FMA per block on xpart: the block's x summed in 8 lanes (lane j: x[j] +
-// x[j + 8] + x[j + 16] + x[j + 24]), computed once per call. R is a compile-time constant so the accumulators stay in registers
-// (R <= 8: 8 accumulators, the 4 unpacked weight vectors and one of x fit AVX2's 16).
+// * q + minimum. Per row and block: the codes' products with x summed (4 FMAs), times the scale
+// (1 FMA); the minimums' share, sum over blocks of minimum * sum(x over the block), is one more
+// dot product per row over xsum (the block's x summed, once per call), 8 blocks per FMA. Every
+// row takes this same arithmetic whatever R is, so a row's result is the same bit for bit
+// whatever rows are beside it (speculative decoding's exactness needs it: a guess's row is
+// computed as its decode step would be, docs/speculative.md). R is a compile-time constant so the
+// accumulators stay in registers (R <= 8: 8 accumulators, the 4 unpacked code vectors, a
+// product and the scale fit AVX2's 16).
 template <int R>
-void q4_rows(const float* x, const float* xpart, const uint8_t* codes, const at::Half* scale_min, float* out,
+void q4_rows(const float* x, const float* xsum, const uint8_t* codes, const at::Half* scale_min, float* out,
              int64_t out_stride, int64_t K, int64_t begin, int64_t end) {
   const int64_t G = K / 32;
   for (int64_t n = begin; n < end; ++n) {
@@ -453,13 +457,7 @@ void q4_rows(const float* x, const float* xpart, const uint8_t* codes, const at:
     float dot[R];
 #if defined(__AVX2__) && !defined(__AVX512F__)
     // Bytes 0-7 zero-extended to 8 int32 lanes hold weights 0-7 in their low nibbles and 16-23 in
-    // their high ones (bytes 8-15: 8-15 and 24-31), so one widening gives two vectors of weights.
-    // One row: the products of the codes are summed per block, then scaled, and the minimum's
-    // share added from xpart (6 FMAs per block). From 2 rows on, the weights themselves are made
-    // once per block, w = scale * q + minimum (4 FMAs; scale * q is exact in float32, so the FMA
-    // rounds as the float32 dequantized weight does), and shared: 4 FMAs per row and block, no
-    // xpart (its FMA and load per row cost 15% at 8 rows).
-    constexpr bool kScaleSums = R == 1;
+    // their high ones (bytes 8-15: 8-15 and 24-31), so one widening gives two vectors of codes.
     __m256 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     const __m256i low4 = _mm256_set1_epi32(0x0F);
@@ -468,35 +466,36 @@ void q4_rows(const float* x, const float* xpart, const uint8_t* codes, const at:
       const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + g * 16)));
       const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + g * 16 + 8)));
       const __m256 d = _mm256_set1_ps(_cvtsh_ss(smh[2 * g]));
-      const __m256 m = _mm256_set1_ps(_cvtsh_ss(smh[2 * g + 1]));
-      __m256 w0 = _mm256_cvtepi32_ps(_mm256_and_si256(b0, low4));
-      __m256 w1 = _mm256_cvtepi32_ps(_mm256_and_si256(b1, low4));
-      __m256 w2 = _mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4));
-      __m256 w3 = _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4));
-      if constexpr (!kScaleSums) {
-        w0 = _mm256_fmadd_ps(w0, d, m);
-        w1 = _mm256_fmadd_ps(w1, d, m);
-        w2 = _mm256_fmadd_ps(w2, d, m);
-        w3 = _mm256_fmadd_ps(w3, d, m);
-      }
+      const __m256 w0 = _mm256_cvtepi32_ps(_mm256_and_si256(b0, low4));
+      const __m256 w1 = _mm256_cvtepi32_ps(_mm256_and_si256(b1, low4));
+      const __m256 w2 = _mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4));
+      const __m256 w3 = _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4));
       for (int r = 0; r < R; ++r) {
         const float* xr = x + r * K + g * 32;
-        if constexpr (kScaleSums) {
-          const __m256 xp = _mm256_loadu_ps(xpart + (r * G + g) * 8);
-          __m256 t = _mm256_mul_ps(w0, _mm256_loadu_ps(xr));
-          t = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xr + 8), t);
-          t = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xr + 16), t);
-          t = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xr + 24), t);
-          acc[r] = _mm256_fmadd_ps(t, d, _mm256_fmadd_ps(xp, m, acc[r]));
-        } else {
-          acc[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xr), acc[r]);
-          acc[r] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xr + 8), acc[r]);
-          acc[r] = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xr + 16), acc[r]);
-          acc[r] = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xr + 24), acc[r]);
-        }
+        __m256 t = _mm256_mul_ps(w0, _mm256_loadu_ps(xr));
+        t = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xr + 8), t);
+        t = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xr + 16), t);
+        t = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xr + 24), t);
+        acc[r] = _mm256_fmadd_ps(t, d, acc[r]);
       }
     }
-    for (int r = 0; r < R; ++r) dot[r] = hsum8(acc[r]);
+    // the minimums' share: 8 blocks' minimums (the odd halves of 8 (scale, minimum) pairs) at once
+    __m256 macc[R];
+    for (int r = 0; r < R; ++r) macc[r] = _mm256_setzero_ps();
+    int64_t g = 0;
+    for (; g + 8 <= G; g += 8) {
+      const __m256i pairs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(smh + 2 * g));
+      const __m256 lo = _mm256_cvtph_ps(_mm256_castsi256_si128(pairs));       // d0 m0 d1 m1 d2 m2 d3 m3
+      const __m256 hi = _mm256_cvtph_ps(_mm256_extracti128_si256(pairs, 1));  // d4 m4 ... d7 m7
+      const __m256 odd = _mm256_shuffle_ps(lo, hi, 0xDD);                     // m0 m1 m4 m5 m2 m3 m6 m7
+      const __m256 mins = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(odd), 0xD8));  // m0 .. m7
+      for (int r = 0; r < R; ++r) macc[r] = _mm256_fmadd_ps(mins, _mm256_loadu_ps(xsum + r * G + g), macc[r]);
+    }
+    for (int r = 0; r < R; ++r) {
+      float tail = 0.f;
+      for (int64_t t = g; t < G; ++t) tail += _cvtsh_ss(smh[2 * t + 1]) * xsum[r * G + t];
+      dot[r] = hsum8(acc[r]) + (hsum8(macc[r]) + tail);
+    }
 #else
     v16 acc[R];
     float shift[R] = {};
@@ -516,8 +515,7 @@ void q4_rows(const float* x, const float* xpart, const uint8_t* codes, const at:
         std::memcpy(&xa, x + r * K + g * 32, 64);
         std::memcpy(&xb, x + r * K + g * 32 + 16, 64);
         acc[r] += a * xa + b * xb;
-        const float* xp = xpart + (r * G + g) * 8;
-        shift[r] += m * (((xp[0] + xp[1]) + (xp[2] + xp[3])) + ((xp[4] + xp[5]) + (xp[6] + xp[7])));
+        shift[r] += m * xsum[r * G + g];
       }
     }
     for (int r = 0; r < R; ++r) dot[r] = hsum(acc[r]) + shift[r];
@@ -550,11 +548,13 @@ inline torch::Tensor q4_linear(torch::Tensor x, torch::Tensor codes, torch::Tens
   auto xf = x.to(at::kFloat).contiguous();
   auto out = torch::empty({M, N}, x.options().dtype(at::kFloat));
   const float* xs = xf.data_ptr<float>();
-  std::vector<float> xpart(M * G * 8);
+  std::vector<float> xsum(M * G);  // each row's x summed over each block (q4_rows: the minimums' share)
   for (int64_t i = 0; i < M * G; ++i) {
+    float part[8];
     for (int j = 0; j < 8; ++j) {
-      xpart[i * 8 + j] = (xs[i * 32 + j] + xs[i * 32 + j + 8]) + (xs[i * 32 + j + 16] + xs[i * 32 + j + 24]);
+      part[j] = (xs[i * 32 + j] + xs[i * 32 + j + 8]) + (xs[i * 32 + j + 16] + xs[i * 32 + j + 24]);
     }
+    xsum[i] = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
   }
   float* os = out.data_ptr<float>();
   const uint8_t* cs = codes.data_ptr<uint8_t>();
@@ -564,7 +564,7 @@ inline torch::Tensor q4_linear(torch::Tensor x, torch::Tensor codes, torch::Tens
       const int64_t n1 = std::min<int64_t>(n0 + 32, end);
       for (int64_t m0 = 0; m0 < M; m0 += 8) {
         const int64_t rows = std::min<int64_t>(8, M - m0);
-        kQ4Rows[rows - 1](xs + m0 * K, xpart.data() + m0 * G * 8, cs, sms, os + m0 * N, N, K, n0, n1);
+        kQ4Rows[rows - 1](xs + m0 * K, xsum.data() + m0 * G, cs, sms, os + m0 * N, N, K, n0, n1);
       }
     }
   });

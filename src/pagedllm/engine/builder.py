@@ -34,6 +34,7 @@ from pagedllm.models.kernel_plan import plan_kernels
 from pagedllm.models.layer_ops import CpuLayerOps, get_layer_ops
 from pagedllm.models.loader import load_weights, resolve_dtype, resolve_model_path
 from pagedllm.models.quantization import QUANTIZATION_METHODS, resolve_quantization
+from pagedllm.models.quantized_linear import Linear
 from pagedllm.models.registry import model_class
 from pagedllm.models.tokenizer import Tokenizer
 
@@ -114,7 +115,8 @@ def load_shard(options: EngineOptions, tensor_parallel=None, weights=None) -> Lo
     config = EngineConfig(model=mcfg, cache=cache, scheduler=scheduler,
                           dtype=resolved_dtype, device=device, seed=options.seed,
                           quantization=resolve_quantization(options.quantization, weights, resolved_dtype, device),
-                          tensor_parallel_size=options.tensor_parallel_size, events=options.events_config())
+                          tensor_parallel_size=options.tensor_parallel_size, events=options.events_config(),
+                          speculative=options.speculative_config)
     if tensor_parallel is not None:
         weights = tensor_parallel.shard(weights)  # the rank's slices, its config the shard's shape
     with torch.device("meta"):
@@ -129,6 +131,14 @@ def load_shard(options: EngineOptions, tensor_parallel=None, weights=None) -> Lo
     net.finalize(backend, options.layer_loop, plan=plan, quantize=quantize)  # the end of loading
     del quantize, weights  # free the unfused weights before the KV pool is sized and allocated
     return LoadedShard(config, net, backend, plan, path, time.perf_counter() - t0)
+
+
+def exact_row_limit(net) -> int | None:
+    """The most rows a step may have and still run every projection's small-step quantized kernel
+    (GGUF / AWQ / int8 weights), which computes each row alone, bit for bit whatever the rows
+    beside it; None where no projection has one."""
+    limits = [m.max_rows for m in net.modules() if isinstance(m, Linear) and m.small_batch is not None]
+    return min(limits) if limits else None
 
 
 def build_engine(options: EngineOptions | None = None, tensor_parallel=None, weights=None, **overrides) -> Engine:
@@ -158,6 +168,8 @@ def build_engine(options: EngineOptions | None = None, tensor_parallel=None, wei
                     options.tensor_parallel_size)
     engine.load_seconds = load_seconds
     engine.kernel_plan = shard.plan
+    if engine.scheduler.drafter is not None:  # guesses keep a step within its rows' exact kernels
+        engine.scheduler.drafter.row_limit = exact_row_limit(shard.net)
     engine.model_path = shard.path
     # Everything alive now lives as long as the engine: keep it out of the cyclic GC's scans
     # (hundreds of thousands of objects after importing torch and transformers), as vLLM does.

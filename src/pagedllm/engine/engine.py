@@ -31,6 +31,7 @@ from pagedllm.engine.request import Request, RequestStatus
 from pagedllm.engine.request_owner import RequestOwner
 from pagedllm.engine.sampling_params import SamplingParams
 from pagedllm.engine.scheduler import Scheduler, SchedulerOutput
+from pagedllm.engine.speculative.drafter import Drafter
 from pagedllm.engine.structured_output import StructuredOutputManager
 from pagedllm.errors import ConfigError, EngineStopped, InvalidRequest
 from pagedllm.kvcache.block_map import block_map
@@ -114,6 +115,8 @@ class Engine:
         self.eos_token_ids = frozenset(eos)
         # grammars and matchers of structured-output requests (llguidance is imported on first use)
         self.structured = StructuredOutputManager(tokenizer, config.model.vocab_size, self.eos_token_ids)
+        if config.speculative is not None:  # guesses proposed by the scheduler's drafter, verified here
+            self.scheduler.drafter = Drafter(config.speculative, self.structured.validate_guesses)
         self._requests: dict[str, RequestOwner] = {}  # user request id -> its owner (RequestState, BeamGroup)
         self._owner: dict[str, RequestOwner] = {}     # live scheduler request id -> its owner
         self._stepped_always: dict[str, RequestOwner] = {}  # owners whose end_step runs every step
@@ -277,19 +280,23 @@ class Engine:
             result = self.runner.execute(sched_out, self.scheduler.requests, self.structured.bitmask(sched_out))
         except Exception as exc:  # noqa: BLE001 - a failed step fails its own requests, not the engine
             return self._fail_step(sched_out, exc)
-        progressed = self.scheduler.update(sched_out, result.tokens)
         owners = self._owner
         for rid, entries in result.prompt_logprobs.items():
             if (owner := owners.get(rid)) is not None:
                 owner.take_prompt_logprobs(entries, self.tokenizer)
         touched: dict[str, RequestOwner] = dict(self._stepped_always)  # then those with tokens, in order
-        for req in progressed:
+        logprobs = result.logprobs
+
+        def take_token(req: Request, i: int) -> None:  # the scheduler appended req's i-th token of the step
             if (owner := owners.get(req.request_id)) is not None:
-                owner.take_token(self, req, result.logprobs.get(req.request_id))
+                lps = logprobs.get(req.request_id)
+                owner.take_token(self, req, None if lps is None else lps[i])
                 touched[owner.request_id] = owner
-        for rid, lp in result.logprobs.items():
+
+        self.scheduler.update(sched_out, result.tokens, take_token)
+        for rid, lps in logprobs.items():
             if (owner := owners.get(rid)) is not None:
-                owner.take_logprobs(rid, lp)
+                owner.take_logprobs(rid, lps[0])
         outputs: list[RequestOutput] = []
         for owner in touched.values():
             owner.end_step(self, outputs)
@@ -409,6 +416,8 @@ class Engine:
         stats.update(num_requests_running=len(sched.running),
                      num_requests_waiting=len(sched.waiting) + len(sched.swapped),
                      num_requests_swapped=len(sched.swapped), num_steps=self.num_steps)
+        if sched.drafter is not None:
+            stats.update(sched.drafter.stats.as_dict())
         return stats
 
     def kv_block_map(self) -> tuple[bytearray, dict[str, list[int]]]:

@@ -9,6 +9,7 @@ asking for ``prompt_logprobs``, for their prompt rows).
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -26,36 +27,71 @@ from pagedllm.models.llama import LlamaForCausalLM
 
 @dataclass
 class StepResult:
-    """What one step produced: a token per sampling sequence, and logprobs where asked."""
+    """What one step produced: the tokens of each sampling sequence (one; with speculative guesses,
+    the accepted guesses and the model's next token), and their logprobs where asked."""
 
-    tokens: dict[str, int] = field(default_factory=dict)
-    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    tokens: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     # request id -> [(position p, logprobs of the prompt token at p + 1)]
     prompt_logprobs: dict[str, list[tuple[int, TokenLogprobs]]] = field(default_factory=dict)
+
+
+class GuessPosition:
+    """What the sampler reads of a request at the position after its first ``j`` speculative guesses:
+    the request as if those guesses were its tokens (penalties, bad words, min_tokens count them);
+    ``request_id`` is ``(id, j)``, its row in the grammar bitmask."""
+
+    __slots__ = ("request_id", "sampling_params", "prompt_token_ids", "output_token_ids", "eos_token_ids",
+                 "bad_words_token_ids")
+
+    def __init__(self, req: Request, guesses: list[int], j: int) -> None:
+        self.request_id = (req.request_id, j)
+        self.sampling_params = req.sampling_params
+        self.prompt_token_ids = req.prompt_token_ids
+        self.output_token_ids = req.output_token_ids + guesses[:j]
+        self.eos_token_ids = req.eos_token_ids
+        self.bad_words_token_ids = req.bad_words_token_ids
+
+
+def accepted_prefix(sampled: list[int], guesses: list[int]) -> int:
+    """How many leading guesses equal the tokens sampled at their positions."""
+    n = 0
+    while n < len(guesses) and sampled[n] == guesses[n]:
+        n += 1
+    return n
 
 
 PROMPT_LOGPROB_ROWS = 256  # prompt positions turned into logits at a time (bounds the [rows, vocab] tensor)
 
 
 def build_metadata(chunks: list[ScheduledChunk], block_size: int, device: torch.device):
-    """Flat inputs and attention metadata for chunks already ordered decode-first."""
+    """Flat inputs and attention metadata for chunks already ordered decode-first.
+
+    A chunk with speculative guesses is laid out as one-token sequences, one per position (its
+    block table each time): each row then attends exactly as a decode step at that position would
+    (the same kernel over the same stored K/V, which the step stores for every row before any row
+    attends), so verifying a guess computes what decoding it would have."""
     input_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
     qsl = [0]
     seq_lens = []
+    tables = []
     num_decodes = 0
+    max_blocks = max(len(c.block_ids) for c in chunks)
     for c in chunks:
-        if c.num_tokens == 1 and num_decodes == len(seq_lens):
-            num_decodes += 1
         input_ids.extend(c.token_ids)
         start, end = c.start_pos, c.seq_len
         positions.extend(range(start, end))
         slots.extend(slot_mapping(c.block_ids, block_size, start, end))
-        qsl.append(len(input_ids))
-        seq_lens.append(end)
-    max_blocks = max(len(c.block_ids) for c in chunks)
-    tables = [c.block_ids + [0] * (max_blocks - len(c.block_ids)) for c in chunks]
+        table = c.block_ids + [0] * (max_blocks - len(c.block_ids))
+        pieces = range(start + 1, end + 1) if c.draft_token_ids else (end,)
+        for seq_end in pieces:
+            if c.num_tokens == 1 or c.draft_token_ids:
+                num_decodes += num_decodes == len(seq_lens)
+            qsl.append(qsl[-1] + (1 if c.draft_token_ids else c.num_tokens))
+            seq_lens.append(seq_end)
+            tables.append(table)
 
     def t(x):
         return torch.tensor(x, dtype=torch.long, device=device)
@@ -106,26 +142,65 @@ class ModelRunner:
         result = StepResult()
         if ran is None:
             return result
-        chunks, hidden, meta = ran
+        chunks, hidden, _ = ran
+        ends = list(itertools.accumulate(c.num_tokens for c in chunks))  # each chunk's rows end here
         for i, c in enumerate(chunks):
             req = requests[c.request_id]
             if req.sampling_params.prompt_logprobs is not None and c.start_pos < req.num_prompt_tokens - 1:
-                result.prompt_logprobs[c.request_id] = self._prompt_logprobs(hidden, meta.query_start_loc_list[i],
-                                                                             c, req)
-        # one logits row per sampling chunk; parallel-sampling siblings draw from the same row
-        rows, reqs = [], []
+                result.prompt_logprobs[c.request_id] = self._prompt_logprobs(hidden, ends[i] - c.num_tokens, c, req)
+        # one logits row per sampling chunk; parallel-sampling siblings draw from the same row; a
+        # chunk with guesses samples at the position of its last known token and of each guess
+        rows, reqs, gens = [], [], []
+        guessed: list[tuple[Request, list[int], int]] = []  # (request, guesses, its first row)
         for i, c in enumerate(chunks):
-            if c.sample:
-                for rid in (c.request_id, *c.fork_ids):
-                    rows.append(meta.query_start_loc_list[i + 1] - 1)
-                    reqs.append(requests[rid])
+            if not c.sample:
+                continue
+            end = ends[i]
+            if c.draft_token_ids:
+                req, k = requests[c.request_id], len(c.draft_token_ids)
+                guessed.append((req, c.draft_token_ids, len(rows)))
+                gen = self._generator(req)
+                for j in range(k + 1):
+                    rows.append(end - 1 - k + j)
+                    reqs.append(req if j == 0 else GuessPosition(req, c.draft_token_ids, j))
+                    gens.append(gen)
+                continue
+            for rid in (c.request_id, *c.fork_ids):
+                rows.append(end - 1)
+                reqs.append(requests[rid])
+                gens.append(self._generator(requests[rid]))
         if not rows:
             return result
+        # a guessing request's generator draws once per row, as it would over as many steps; what the
+        # rejected rows drew is given back (the state restored, then advanced by the rows kept)
+        states = {req.request_id: g.get_state() for req, _, first in guessed if (g := gens[first]) is not None}
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
-        tokens, logprobs = self.sampler.sample(logits, reqs, [self._generator(r) for r in reqs], grammar)
-        result.tokens = {r.request_id: tok for r, tok in zip(reqs, tokens, strict=True)}
-        result.logprobs = {reqs[i].request_id: lp for i, lp in logprobs.items()}
+        tokens, logprobs = self.sampler.sample(logits, reqs, gens, grammar)
+        skip = set()
+        for req, guesses, first in guessed:
+            k = len(guesses)
+            kept = accepted_prefix(tokens[first:first + k], guesses) + 1
+            rid = req.request_id
+            result.tokens[rid] = tokens[first:first + kept]
+            if first in logprobs:
+                result.logprobs[rid] = [logprobs[first + j] for j in range(kept)]
+            if kept <= k and rid in states:
+                self._replay(gens[first], states[rid], kept, logits.shape[1])
+            skip.update(range(first, first + k + 1))
+        for i, r in enumerate(reqs):
+            if i not in skip:
+                result.tokens[r.request_id] = [tokens[i]]
+                if i in logprobs:
+                    result.logprobs[r.request_id] = [logprobs[i]]
         return result
+
+    def _replay(self, generator: torch.Generator, state: torch.Tensor, num_draws: int, vocab: int) -> None:
+        """Set ``generator`` to ``state`` advanced by ``num_draws`` of the sampler's draws (one
+        ``uniform_`` over a vocabulary row each, as ``sampler.draw``)."""
+        generator.set_state(state)
+        row = torch.empty(vocab, device=self.device)
+        for _ in range(num_draws):
+            row.uniform_(generator=generator)
 
     def run_model(self, out: SchedulerOutput) -> tuple[list[ScheduledChunk], torch.Tensor, AttentionMetadata] | None:
         """The step's KV block moves (swap out, copies, swap in started), then the model over its
@@ -141,7 +216,8 @@ class ModelRunner:
             self.host.start_swap_in(out.swap_in)
         if not out.chunks:
             return None
-        chunks = sorted(out.chunks, key=lambda c: c.num_tokens != 1)  # stable: decodes first
+        # stable: decodes (and verifications, laid out as decodes) first
+        chunks = sorted(out.chunks, key=lambda c: c.num_tokens != 1 and not c.draft_token_ids)
         input_ids, positions, meta = build_metadata(chunks, self.kv.block_size, self.device)
         return chunks, self.model(input_ids, positions, meta, self.kv, self.backend), meta
 

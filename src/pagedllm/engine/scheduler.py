@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 from pagedllm.config import SchedulerConfig
 from pagedllm.engine.request import Request, RequestStatus
+from pagedllm.engine.speculative.drafter import Drafter
 from pagedllm.errors import RequestTooLong
 from pagedllm.kvcache.interface import KVCacheManagerProtocol
 
@@ -42,6 +43,9 @@ class ScheduledChunk:
     block_ids: list[int]
     sample: bool  # the chunk reaches the end of the known tokens: sample the next one
     fork_ids: list[str] = field(default_factory=list)  # siblings sampled from the same logits
+    # speculative decoding: the last ``len(draft_token_ids)`` of token_ids are guesses, verified by
+    # sampling at each of their positions too (engine/speculative/)
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -83,6 +87,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.empty_steps = 0  # consecutive steps that scheduled nothing while requests were unfinished
         self.observers: list[Callable[[SchedulerOutput], None]] = []  # told each step's output (engine replay)
+        self.drafter: Drafter | None = None  # speculative decoding: guesses for decoding requests
 
     # -- admission -------------------------------------------------------------------------
     def add(self, request: Request, forks: list[Request] = ()) -> None:
@@ -144,11 +149,20 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         self.kv.begin_step()
 
+        guesses = self._plan_guesses(budget) if self.drafter is not None else {}
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             if num_new == 0:  # nothing to compute until its next token is chosen (beam search)
+                i += 1
+                continue
+            mine = guesses.get(req.request_id)
+            if mine and len(mine) < budget and self.kv.allocate_slots(
+                    req.request_id, req.num_tokens + len(mine), num_computed=req.num_computed_tokens):
+                # its next token and the guesses after it (lookahead slots); without room, it decodes as usual
+                out.chunks.append(self._chunk(req, 1, mine))
+                budget -= 1 + len(mine)
                 i += 1
                 continue
             while not self.kv.allocate_slots(req.request_id, req.num_computed_tokens + num_new,
@@ -211,15 +225,29 @@ class Scheduler:
         need = self.kv.blocks_for_tokens(req.num_tokens) - len(cached)
         return need + reclaimed <= self.kv.num_free_blocks
 
-    def _chunk(self, req: Request, num_new: int) -> ScheduledChunk:
+    def _plan_guesses(self, budget: int) -> dict[str, list[int]]:
+        """The drafter's guesses for this step's decoding requests (speculative decoding), at most
+        what each one's max_tokens, max_model_len and the step's budget leave."""
+        decoding = []
+        for req in self.running:
+            if req.num_tokens - req.num_computed_tokens == 1 and not req.pending_forks:
+                most = min(budget - 1, req.max_tokens - req.num_output_tokens - 1,
+                           self.config.max_model_len - req.num_tokens - 1)
+                if most > 0:
+                    decoding.append((req, most))
+        return self.drafter.plan_step(decoding, len(self.running))
+
+    def _chunk(self, req: Request, num_new: int, guesses: list[int] = ()) -> ScheduledChunk:
         start = req.num_computed_tokens
+        sample = start + num_new == req.num_tokens
         return ScheduledChunk(
             request_id=req.request_id,
-            token_ids=req.token_ids[start:start + num_new],
+            token_ids=req.token_ids[start:start + num_new] + list(guesses),
             start_pos=start,
             block_ids=self.kv.block_ids(req.request_id),
-            sample=start + num_new == req.num_tokens,
-            fork_ids=[f.request_id for f in req.pending_forks] if start + num_new == req.num_tokens else [],
+            sample=sample,
+            fork_ids=[f.request_id for f in req.pending_forks] if sample else [],
+            draft_token_ids=list(guesses),
         )
 
     def preempt(self, request_id: str) -> None:
@@ -247,8 +275,17 @@ class Scheduler:
             self.waiting.appendleft(req)
 
     # -- after the model ran -------------------------------------------------------------------
-    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+    def update(self, out: SchedulerOutput, sampled: dict[str, list[int] | int],
+               on_token: Callable[[Request, int], None] | None = None) -> list[Request]:
         """Advance computed tokens, append sampled ones, finish what stopped.
+
+        ``sampled[rid]``: the tokens a chunk's request gets, in order: one (a list, or an int), or for a chunk with
+        guesses the accepted guesses (each equal to the guess at its position) and the model's next
+        token. Each token is appended and checked (stop tokens, lengths) in turn, and
+        ``on_token(request, i)`` told of the i-th (it may finish the request: a stop string); the
+        rest are dropped once the request finishes. The guesses the model rejected are rolled back:
+        computed tokens count only the verified ones, blocks reserved past them return to the pool
+        (``trim``), and only blocks full of verified tokens enter the prefix cache.
 
         Returns the requests that got a new token this step (finished ones included).
         """
@@ -257,20 +294,42 @@ class Scheduler:
             req = self.requests.get(chunk.request_id)
             if req is None or req.status.finished:
                 continue
-            req.num_computed_tokens += chunk.num_tokens
+            guesses = chunk.draft_token_ids
+            req.num_computed_tokens += chunk.num_tokens - len(guesses)
+            tokens = sampled.get(chunk.request_id)
+            if isinstance(tokens, int):
+                tokens = [tokens]
             self.kv.cache_full_blocks(req.request_id, req.token_ids, req.num_computed_tokens, req.cache_salt)
-            token = sampled.get(chunk.request_id)
-            if token is None or req.external_tokens:
+            if not tokens or req.external_tokens:
                 continue
-            req.append_output(token)
-            for fid in chunk.fork_ids:
-                fork = self.requests.get(fid)
-                if fork is not None and fid in sampled:
-                    progressed.append(self._start_fork(req, fork, sampled[fid]))
-            req.pending_forks = [f for f in req.pending_forks if f.request_id not in chunk.fork_ids]
-            status = req.check_stop(self.config.max_model_len)
-            if status is not None:
-                self.finish(req.request_id, status)
+            accepted = len(tokens) - 1
+            if guesses:
+                self.drafter.record(req.request_id, len(guesses), accepted)
+            for j, token in enumerate(tokens):
+                req.append_output(token)
+                if j < accepted:  # the guess at this position was the model's token: its KV is verified
+                    req.num_computed_tokens += 1
+                    self.kv.cache_full_blocks(req.request_id, req.token_ids, req.num_computed_tokens,
+                                              req.cache_salt)
+                if j == 0:
+                    for fid in chunk.fork_ids:
+                        fork = self.requests.get(fid)
+                        if fork is not None and fid in sampled:
+                            first = sampled[fid]
+                            first = first if isinstance(first, int) else first[0]
+                            progressed.append(self._start_fork(req, fork, first))
+                            if on_token is not None:
+                                on_token(fork, 0)
+                    req.pending_forks = [f for f in req.pending_forks if f.request_id not in chunk.fork_ids]
+                status = req.check_stop(self.config.max_model_len)
+                if status is not None:
+                    self.finish(req.request_id, status)
+                if on_token is not None:
+                    on_token(req, j)
+                if req.status.finished:
+                    break
+            if guesses and not req.status.finished:
+                self.kv.trim(req.request_id, req.num_computed_tokens)
             progressed.append(req)
         return progressed
 
@@ -330,4 +389,6 @@ class Scheduler:
             self.swapped.remove(req)
         req.status = status
         self.kv.free(request_id)
+        if self.drafter is not None:
+            self.drafter.finish(request_id, req.output_token_ids)
         return req

@@ -49,9 +49,10 @@ GRAMMAR_CACHE_SIZE = 64   # compiled grammars kept (least recently used dropped 
 @dataclass
 class GrammarBitmask:
     """One step's allowed tokens: row ``rows[request_id]`` of ``bitmask`` (int32 [len(rows), ceil(V / 32)],
-    bit i of word j set = token 32 j + i allowed) for each sampling sequence that has a grammar."""
+    bit i of word j set = token 32 j + i allowed) for each sampling sequence that has a grammar; with
+    speculative guesses, row ``rows[(request_id, j)]`` for the position after its first j guesses."""
 
-    rows: dict[str, int]
+    rows: dict[str | tuple[str, int], int]
     bitmask: torch.Tensor
 
 
@@ -232,15 +233,32 @@ class StructuredOutputManager:
                         rows[sid] = len(rows)
         if not rows:
             return None
+        guessed = [(c.request_id, c.draft_token_ids) for c in out.chunks
+                   if c.draft_token_ids and c.request_id in rows]
+        num_rows = len(rows) + sum(len(g) for _, g in guessed)
         width = (self.vocab_size + 31) // 32
-        bitmask = torch.empty(len(rows), width, dtype=torch.int32)
+        bitmask = torch.empty(num_rows, width, dtype=torch.int32)
         if len(rows) == 1:
             (sid,) = rows
             self._matchers[sid].unsafe_compute_mask_ptr(bitmask.data_ptr(), width * 4)
         else:
             self._executor.unsafe_compute_mask_ptr([(self._matchers[sid], i) for sid, i in rows.items()],
                                                    bitmask.data_ptr(), width * 4, len(rows))
+        for sid, guesses in guessed:  # row (sid, j): the mask after the first j guesses
+            matcher = self._matchers[sid]
+            for j, token in enumerate(guesses, start=1):
+                if not matcher.consume_token(token):  # validate_guesses cut the guesses at the first it rejects
+                    raise RuntimeError(f"structured output: guess {token} of {sid} was not valid after all")
+                rows[(sid, j)] = index = len(rows)
+                matcher.unsafe_compute_mask_ptr(bitmask[index].data_ptr(), width * 4)
+            matcher.rollback(len(guesses))
         return GrammarBitmask(rows, bitmask)
+
+    def validate_guesses(self, sequence_id: str, guesses: list[int]) -> int:
+        """How many leading ``guesses`` (speculative decoding) the sequence's grammar accepts; all of
+        them for a sequence without one. The matcher is left as it was."""
+        matcher = self._matchers.get(sequence_id)
+        return len(guesses) if matcher is None else matcher.validate_tokens(guesses)
 
     def accept(self, sequence_id: str, token: int) -> AcceptResult:
         """Feed a sequence's newly sampled token to its matcher."""

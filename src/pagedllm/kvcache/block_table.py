@@ -47,6 +47,14 @@ class BlockTable:
         self.num_slots = max(self.num_slots, num_slots)
         assert len(self.blocks) * self.block_size >= self.num_slots
 
+    def truncate(self, num_blocks: int) -> list[Block]:
+        """Keep the first ``num_blocks`` blocks; returns the ones dropped (the caller frees them)."""
+        dropped = self.blocks[num_blocks:]
+        del self.blocks[num_blocks:]
+        del self._ids[num_blocks:]
+        self.num_slots = min(self.num_slots, num_blocks * self.block_size)
+        return dropped
+
     def slot(self, position: int) -> int:
         block = self.blocks[position // self.block_size]
         return block.block_id * self.block_size + position % self.block_size

@@ -113,6 +113,13 @@ class ContiguousKVCacheManager:
             self.cow.add(src, dst)
         return True
 
+    def trim(self, request_id: str, num_slots: int) -> None:
+        """Roll back to ``num_slots`` slots; the reservation keeps its blocks (it is the request's
+        whole length)."""
+        table = self.tables.get(request_id)
+        if table is not None:
+            table.num_slots = min(table.num_slots, num_slots)
+
     def take_copies(self) -> list[tuple[int, int]]:
         return self.cow.take()
 

@@ -67,6 +67,9 @@ class KVCacheManagerProtocol(Protocol):
     def fork(self, parent_id: str, child_id: str, num_computed: int) -> bool:
         """Give ``child_id`` the parent's first ``num_computed`` tokens of KV; False if no room."""
 
+    def trim(self, request_id: str, num_slots: int) -> None:
+        """Roll a request back to its first ``num_slots`` slots (rejected speculative guesses)."""
+
     def take_copies(self) -> list[tuple[int, int]]:
         """Block copies (src, dst) to run before this step's writes."""
 

@@ -13,7 +13,8 @@ The scheduler asks it for the cached prefix of a request (``cached_prefix``), to
 and release requests; the runner gets the step's copies from ``take_copies`` and ``take_swaps``.
 Its interface is ``KVCacheManagerProtocol`` (``interface.py``), shared with the contiguous baseline.
 
-Invariants (``check_invariants``): free + used == total; every block's ref count equals the
+Invariants (``check_invariants``): free + used == total; a table holds exactly the blocks its
+reserved slots need (a rollback, ``trim``, returns the rest); every block's ref count equals the
 number of block tables holding it; every prefix-cache entry points at a block carrying its hash;
 every host block is free, held by one swapped-out request, or released at the next step.
 """
@@ -217,6 +218,19 @@ class KVCacheManager:
         self._hashes[child_id] = self._hashes.get(parent_id, [])[:full]
         return True
 
+    def trim(self, request_id: str, num_slots: int) -> None:
+        """Roll the request's table back to its first ``num_slots`` slots (speculative decoding: the
+        slots of guesses the model rejected): blocks wholly past them return to the pool. They were
+        never in the prefix cache: only blocks full of verified tokens are registered."""
+        table = self.tables.get(request_id)
+        if table is None or num_slots >= table.num_slots:
+            return
+        dropped = table.truncate(self.blocks_for_tokens(num_slots))
+        table.num_slots = num_slots
+        if dropped:
+            assert all(b.block_hash is None for b in dropped), "a rolled-back block was in the prefix cache"
+            self.allocator.free(dropped)
+
     def take_copies(self) -> list[tuple[int, int]]:
         """Block copies (src, dst) the data plane must perform before this step's writes."""
         return self.cow.take()
@@ -322,7 +336,7 @@ class KVCacheManager:
         for h, block in self.prefix_cache.map.items():
             assert block.block_hash == h, f"cache entry {h:x} points at {block} with another hash"
         for t in self.tables.values():
-            assert len(t.blocks) * self.block_size >= t.num_slots
+            assert len(t.blocks) == self.blocks_for_tokens(t.num_slots), "a table holds blocks past its slots"
             assert t.block_ids == [b.block_id for b in t.blocks], "a table's cached ids differ from its blocks"
         if self.swap is not None:
             self.swap.check_invariants()

@@ -34,7 +34,10 @@ LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0
 def engine_snapshot(engine: Engine) -> dict:
     """The engine's queues and KV pool (run on the engine thread), and the pool's format."""
     spec = engine.kv_spec
-    return engine.stats() | {"kv_cache_dtype": spec.kv_cache_dtype, "kv_bytes_per_block": spec.bytes_per_block}
+    snapshot = engine.stats() | {"kv_cache_dtype": spec.kv_cache_dtype, "kv_bytes_per_block": spec.bytes_per_block}
+    if engine.scheduler.drafter is not None:
+        snapshot["spec_decode_accepted_per_position"] = list(engine.scheduler.drafter.stats.accepted_per_position)
+    return snapshot
 
 
 class _EngineCollector:
@@ -83,6 +86,31 @@ class _EngineCollector:
         }
         for name, (doc, value) in counters.items():
             yield self._family(CounterMetricFamily, name, doc, value)
+        if "spec_decode_num_drafts" in s:
+            yield from self._spec_decode(s)
+
+    def _spec_decode(self, s: dict):
+        """Speculative decoding (an engine with speculative_config): vLLM's spec_decode counters, and
+        the acceptance rate and mean accepted length since start as gauges."""
+        counters = {
+            "spec_decode_num_drafts": "verification chunks that carried guessed tokens",
+            "spec_decode_num_draft_tokens": "guessed tokens verified",
+            "spec_decode_num_accepted_tokens": "guessed tokens accepted (equal to the model's own)",
+        }
+        for name, doc in counters.items():
+            yield self._family(CounterMetricFamily, name, doc, s[name])
+        gauges = {
+            "spec_decode_acceptance_rate": "accepted / guessed tokens since start",
+            "spec_decode_mean_accepted_length": "tokens per verification since start (accepted guesses + 1)",
+        }
+        for name, doc in gauges.items():
+            yield self._family(GaugeMetricFamily, name, doc, s[name])
+        family = CounterMetricFamily(self.prefix + "spec_decode_num_accepted_tokens_per_pos",
+                                     "guessed tokens accepted, by position in the guess (0: the first)",
+                                     labels=[*self.labels, "position"])
+        for pos, count in enumerate(s.get("spec_decode_accepted_per_position", ())):
+            family.add_metric([*self.labels.values(), str(pos)], count)
+        yield family
 
 
 class ServerMetrics:

@@ -149,6 +149,7 @@ class SamplingFields(_Request):
     logprob_token_ids: Annotated[list[TokenId], Field(min_length=1, max_length=MAX_LOGPROB_TOKEN_IDS)] | None = None
     return_tokens_as_token_ids: bool = False  # logprobs' tokens written "token_id:<id>"
     bad_words: list[NonEmptyStr] | None = None  # never generated (as a word, or after a space)
+    speculative_decoding: bool = True  # ours: false keeps this request from guessing tokens (docs/speculative.md)
     user: str | None = no_op("OpenAI's end-user id for abuse monitoring; this server monitors no users")
     metadata: dict[str, str] | None = no_op("OpenAI's tags for stored completions; this server stores none")
     store: Annotated[Literal[False] | None, BeforeValidator(_bool_only)] = no_op(
@@ -195,7 +196,7 @@ class SamplingFields(_Request):
                               include_stop_str_in_output=self.include_stop_str_in_output, max_tokens=max_tokens,
                               logprobs=None if self.logprob_token_ids else logprobs, prompt_logprobs=prompt_logprobs,
                               allowed_token_ids=self.allowed_token_ids, logprob_token_ids=self.logprob_token_ids,
-                              bad_words=self.bad_words,
+                              bad_words=self.bad_words, speculative_decoding=self.speculative_decoding,
                               structured_outputs=self.constraint(), **optional)
 
     def beam_search_params(self, max_tokens: int | None) -> BeamSearchParams:

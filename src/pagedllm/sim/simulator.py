@@ -245,7 +245,7 @@ def simulate(trace: list[TraceRequest], timing: StepTimeModel, cache: CacheConfi
             continue
         seconds = timing.step_seconds(out)
         clock += seconds
-        sampled = {c.request_id: STAND_IN_TOKEN for c in out.chunks if c.sample}
+        sampled = {c.request_id: [STAND_IN_TOKEN] for c in out.chunks if c.sample}
         t0 = time.perf_counter()
         updated = sched.update(out, sampled)
         control += time.perf_counter() - t0

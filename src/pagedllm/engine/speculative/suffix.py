@@ -1,0 +1,176 @@
+"""Suffix decoding (vLLM's ``suffix`` method, after Arctic Inference's SuffixDecoding): guesses
+from suffix trees, one over each request's own tokens (prompt and output so far) and one over the
+outputs of recent requests, so text an agent or an editor repeats across requests is guessed too.
+
+A ``SuffixTree`` holds every substring of at most ``max_depth`` tokens of the sequences put in it,
+as paths from the root, each node counting the occurrences of its path. A guess matches the
+longest suffix of the request's tokens that is a path (the pattern, at most ``max_depth`` less
+the guess's limit), then follows the most frequent child while the child's share of its parent's count, times
+the shares before it, stays at least ``min_token_prob``; its length is at most
+``max_spec_factor`` times the pattern's length and the caller's limit. Of the two trees' guesses
+the one whose tokens' probabilities sum higher (the expected accepted length) wins.
+
+Bounded memory: a request's own tree lives while the request does (built on its first guess, then
+extended by the tokens appended since); the global tree holds the outputs of the last
+``max_cached_requests`` finished requests, and drops the oldest one's paths (counts decremented,
+empty nodes removed) when another comes.
+Invariant: a request tree holds the substrings ending before the request's last token (none of the
+last token's own suffixes, whose only continuation would be the unknown next token).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+
+class _Node:
+    __slots__ = ("children", "count")
+
+    def __init__(self) -> None:
+        self.children: dict[int, _Node] = {}
+        self.count = 0
+
+
+class SuffixTree:
+    """Counted paths of every substring (at most ``max_depth`` tokens) of the sequences added."""
+
+    def __init__(self, max_depth: int) -> None:
+        self.max_depth = max_depth
+        self.root = _Node()
+        self.num_nodes = 0
+
+    def add(self, token_ids: Sequence[int], start: int = 0, end: int | None = None,
+            active: list[_Node] | None = None) -> list[_Node]:
+        """Count the substrings of ``token_ids`` ending at positions ``start .. end - 1``. ``active``:
+        what the call that added the tokens before ``start`` returned (the nodes of the substrings
+        ending at ``start - 1``, longest first), so a sequence added in pieces counts as if added at
+        once; returns the same for ``end - 1``. O(``max_depth``) per token."""
+        end = len(token_ids) if end is None else end
+        active = list(active or [])
+        for p in range(start, end):
+            t = token_ids[p]
+            if len(active) >= self.max_depth:  # a substring may not grow past max_depth tokens
+                active = active[len(active) - self.max_depth + 1:]
+            grown = []
+            for node in (*active, self.root):
+                child = node.children.get(t)
+                if child is None:
+                    child = node.children[t] = _Node()
+                    self.num_nodes += 1
+                child.count += 1
+                grown.append(child)
+            active = grown
+        return active
+
+    def remove(self, token_ids: Sequence[int]) -> None:
+        """Undo ``add(token_ids)``: each substring's count less one; a node at zero leaves its parent
+        (its descendants reach zero too, and leave it, as the walk goes on)."""
+        active: list[_Node] = []
+        for t in token_ids:
+            if len(active) >= self.max_depth:
+                active = active[len(active) - self.max_depth + 1:]
+            grown = []
+            for node in (*active, self.root):
+                child = node.children[t]
+                child.count -= 1
+                if child.count == 0:
+                    del node.children[t]
+                    self.num_nodes -= 1
+                grown.append(child)
+            active = grown
+
+    def match(self, context: Sequence[int], longest: int) -> tuple[_Node | None, int]:
+        """The node of the longest suffix of ``context`` of at most ``longest`` tokens that is a path,
+        and its length; (None, 0) if not even the last token is."""
+        longest = min(len(context), longest)
+        for m in range(longest, 0, -1):
+            node = self.root
+            for t in context[len(context) - m:]:
+                node = node.children.get(t)
+                if node is None:
+                    break
+            else:
+                return node, m
+        return None, 0
+
+    def guess(self, context: Sequence[int], max_len: int, max_spec_factor: float,
+              min_token_prob: float) -> tuple[list[int], float]:
+        """(tokens, score): the most frequent continuation of the longest matching suffix, and the
+        sum of its tokens' estimated probabilities."""
+        node, m = self.match(context, max(1, self.max_depth - max_len))  # room left for the guess
+        if node is None:
+            return [], 0.0
+        limit = min(max_len, int(max_spec_factor * m), self.max_depth - m)
+        out: list[int] = []
+        prob, score = 1.0, 0.0
+        while len(out) < limit and node.children:
+            token, child = max(node.children.items(), key=lambda kv: kv[1].count)
+            prob *= child.count / node.count
+            if prob < min_token_prob:
+                break
+            out.append(token)
+            score += prob
+            node = child
+        return out, score
+
+
+class _RequestTree:
+    """A live request's tree and how far it has read the request's tokens."""
+
+    __slots__ = ("tree", "added", "active")
+
+    def __init__(self, tree: SuffixTree) -> None:
+        self.tree = tree
+        self.added = 0
+        self.active: list[_Node] = []
+
+    def extend(self, token_ids: Sequence[int], end: int) -> None:
+        if end > self.added:
+            self.active = self.tree.add(token_ids, self.added, end, self.active)
+            self.added = end
+
+
+class SuffixProposer:
+    """Guesses from each request's own suffix tree and from the global tree of recent outputs."""
+
+    def __init__(self, max_depth: int, max_cached_requests: int, max_spec_factor: float,
+                 min_token_prob: float) -> None:
+        self.max_depth = max_depth
+        self.max_cached_requests = max_cached_requests
+        self.max_spec_factor = max_spec_factor
+        self.min_token_prob = min_token_prob
+        self.global_tree = SuffixTree(max_depth)
+        self._cached: OrderedDict[str, tuple[int, ...]] = OrderedDict()  # finished request -> its output
+        self._trees: dict[str, _RequestTree] = {}  # live request -> its own tree
+
+    def propose(self, request_id: str, token_ids: Sequence[int], max_len: int) -> list[int]:
+        if max_len <= 0:
+            return []
+        own_tree = self._trees.get(request_id)
+        if own_tree is None:
+            own_tree = self._trees[request_id] = _RequestTree(SuffixTree(self.max_depth))
+        own_tree.extend(token_ids, len(token_ids) - 1)
+        tree = own_tree.tree
+        context = token_ids[max(0, len(token_ids) - self.max_depth):]
+        args = (max_len, self.max_spec_factor, self.min_token_prob)
+        own, own_score = tree.guess(context, *args)
+        other, other_score = self.global_tree.guess(context, *args) if self._cached else ([], 0.0)
+        return own if own_score >= other_score else other
+
+    def finish(self, request_id: str, output_token_ids: Sequence[int]) -> None:
+        """The request is over: drop its tree, and keep its output in the global tree."""
+        self._trees.pop(request_id, None)
+        if self.max_cached_requests == 0 or not output_token_ids:
+            return
+        if request_id in self._cached:  # an id used again: its older output leaves first
+            self.global_tree.remove(self._cached.pop(request_id))
+        output = tuple(output_token_ids)
+        self.global_tree.add(output)
+        self._cached[request_id] = output
+        while len(self._cached) > self.max_cached_requests:
+            _, old = self._cached.popitem(last=False)
+            self.global_tree.remove(old)
+
+    def __len__(self) -> int:
+        return len(self._trees)
