@@ -100,6 +100,24 @@ def test_preemption_under_tensor_parallelism_keeps_the_outputs(tiny_pair, mode):
     assert not any(p.is_alive() for p in small.engine.tensor_parallel.processes)
 
 
+def test_speculative_guesses_are_verified_alike_on_every_rank(tiny_pair):
+    """A chunk with guesses is laid out as decode rows on rank 0: the workers must lay it out the
+    same (the step message carries how many of its tokens are guesses), or the all-reduces would
+    add up different rows."""
+    folder, one, _ = tiny_pair
+    looping = [[10, 11, 12, 13, 14] * 5 + [20]]  # one request: where guessing pays (the drafter's cost table)
+    params = SamplingParams(temperature=0.0, max_tokens=96, ignore_eos=True)  # the random model falls into loops
+    spec = LLM(model=folder, dtype="float32", num_kv_blocks=64, tensor_parallel_size=2,
+               speculative_config={"method": "ngram"})
+    try:
+        assert ids(spec.generate(prompts(looping), params, use_tqdm=False)) == ids(
+            one.generate(prompts(looping), params, use_tqdm=False))
+        assert spec.engine.stats()["spec_decode_num_draft_tokens"] > 0  # guesses were verified on both ranks
+        assert_all_free(spec)
+    finally:
+        spec.shutdown()
+
+
 def test_a_quantized_kv_format_is_sharded_by_heads_too(tiny_pair):
     folder, _, _ = tiny_pair
     one = LLM(model=folder, dtype="float32", num_kv_blocks=32, kv_cache_dtype="int8")

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from pagedllm.cli import main as cli_main
-from pagedllm.loadgen.serve_bench import ServeBenchConfig, arrival_offsets, parse_logit_bias, run
+from pagedllm.loadgen.serve_bench import ServeBenchConfig, arrival_offsets, format_report, parse_logit_bias, run
 from pagedllm.workloads.text import text_workload
 from tests.server.conftest import free_port
 
@@ -131,6 +131,14 @@ def test_request_rate_spaces_arrivals_and_chat_works(server):
     for r in report["requests"]:
         assert r["start_s"] >= r["scheduled_s"] and r["ttft_s"] <= r["e2e_s"]
         assert r["prompt_tokens"] > r["prompt_words"]  # the chat template wraps the words
+
+
+def test_a_server_without_speculation_reports_no_spec_decode(server):
+    cfg = ServeBenchConfig(base_url=server.url + "/v1", model="smollm", num_prompts=2, input_len=(3, 5),
+                           output_len=(3, 3), seed=2, num_warmups=0, progress=False)
+    report = run(cfg)
+    assert report["completed"] == 2 and report["spec_decode"] is None
+    assert "Speculative Decoding" not in format_report(report)
 
 
 def test_a_wrong_model_is_counted_as_failures(server):

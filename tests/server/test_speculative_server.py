@@ -77,6 +77,24 @@ def test_completions_and_batch_take_the_opt_out_too(spec_server):
     assert metric(httpx.get(spec_server.url + "/metrics").text, "spec_decode_num_drafts") == drafts  # none guessed
 
 
+def test_bench_serve_reports_the_servers_guesses_over_its_run(spec_server):
+    from pagedllm.loadgen.serve_bench import ServeBenchConfig, format_report, run
+
+    before = httpx.get(spec_server.url + "/metrics").text
+    cfg = ServeBenchConfig(base_url=spec_server.url + "/v1", model="smollm", endpoint="chat", num_prompts=3,
+                           input_len=(40, 60), output_len=(48, 48), seed=4, num_warmups=0, progress=False)
+    report = run(cfg)
+    after = httpx.get(spec_server.url + "/metrics").text
+    spec = report["spec_decode"]
+    assert report["completed"] == 3 and spec is not None
+    for key, name in (("drafts", "spec_decode_num_drafts"), ("draft_tokens", "spec_decode_num_draft_tokens"),
+                      ("accepted_tokens", "spec_decode_num_accepted_tokens")):
+        assert spec[key] == metric(after, name) - metric(before, name)
+    assert spec["drafts"] > 0  # random words: the small model's continuations repeat themselves
+    assert spec["acceptance_rate"] == pytest.approx(spec["accepted_tokens"] / spec["draft_tokens"])
+    assert "Acceptance rate (%):" in format_report(report)
+
+
 def test_a_bad_speculative_config_fails_at_start_in_one_line():
     with pytest.raises(RuntimeError, match="speculative_config") as err:
         ServerProcess("--speculative-config", '{"method": "medusa"}', timeout=60)

@@ -109,8 +109,9 @@ def test_suffix_proposer_learns_from_earlier_requests_and_forgets_the_oldest():
     assert p.propose("a", [1, 2, 40, 41], 4) == []  # nothing seen yet
     p.finish("a", answer)
     assert p.propose("b", [7, 40, 41], 4) == [42, 43, 44, 45]  # from a's output
-    p.finish("b", [60, 61, 62])  # the global tree keeps 1 request: a's output leaves
-    assert p.propose("c", [7, 40, 41], 4) == []
+    p.finish("b", [60, 61, 62])  # queued: the tree changes on the next guess
+    assert p.global_tree.num_nodes == len(substrings([answer], 16))
+    assert p.propose("c", [7, 40, 41], 4) == []  # the global tree keeps 1 request: a's output left
     assert p.global_tree.num_nodes == len(substrings([[60, 61, 62]], 16))
     assert len(p) == 1  # c is live
 
@@ -129,6 +130,7 @@ def test_step_cost_and_extra_rows_follow_the_table():
     # one request: three sure guesses fill 4 rows cheaply; a 5th row (a new 4-row kernel block) does not pay
     assert best_extra_rows(1, [1.0, 1.0, 1.0, 0.3], None) == 3
     assert best_extra_rows(1, [0.1, 0.05], None) == 0  # guesses that are rarely right never pay
+    assert best_extra_rows(4, [0.9] * 4, None) == 0  # 8 rows cost 1.8x 4 rows: 7.6 tokens do not pay 1.1x
     assert best_extra_rows(1, [1.0] * 7, 4) == 3  # at most 4 rows in all
     assert best_extra_rows(1, [1.0] * 7, None) == 7  # all sure: 8 rows carry 8 tokens for ~3 rows' cost
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pickle
 
+import torch
+
 from pagedllm.engine.scheduler import ScheduledChunk, SchedulerOutput
 from pagedllm.parallel.step_message import StepDecoder, StepEncoder
 
@@ -36,3 +38,20 @@ def test_tables_travel_as_changes_and_are_rebuilt_whole():
     assert [(c[3], c[4]) for c in sent[2].chunks] == [(2, [12])]
     assert [(c[3], c[4]) for c in sent[3].chunks] == [(1, [9, 12])]
     assert sent[3].released == ["b"] and set(dec.tables) == {"a", "c"} == set(enc.tables)
+
+
+def test_a_chunks_guesses_reach_the_workers_so_every_rank_lays_the_step_out_alike():
+    """Rank 0 lays a chunk with speculative guesses out as decode rows, sorted with the decodes; a
+    worker that saw it as a prefill chunk would sort it after them and its all-reduces would add
+    other rows' partial sums (the guesses were once dropped from the message)."""
+    from pagedllm.engine.model_runner import build_metadata
+
+    guessed = ScheduledChunk("a", [5, 6, 7, 8], 20, [0, 1], True, draft_token_ids=[6, 7, 8])
+    plain = ScheduledChunk("b", [9], 30, [2, 3], True)
+    out = SchedulerOutput(chunks=[guessed, plain])
+    decoded = StepDecoder().decode(StepEncoder().encode(out))
+    assert [c.draft_token_ids for c in decoded.chunks] == [[6, 7, 8], []]
+    rank0 = build_metadata(out.chunks, 16, torch.device("cpu"))
+    worker = build_metadata(decoded.chunks, 16, torch.device("cpu"))
+    assert rank0[2].seq_lens_list == worker[2].seq_lens_list == [21, 22, 23, 24, 31]
+    assert rank0[2].num_decodes == worker[2].num_decodes == 5

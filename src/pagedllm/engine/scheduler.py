@@ -149,7 +149,8 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         self.kv.begin_step()
 
-        guesses = self._plan_guesses(budget) if self.drafter is not None else {}
+        drafter = self.drafter
+        guesses = self._plan_guesses(budget) if drafter is not None and drafter.may_guess(len(self.running)) else {}
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]

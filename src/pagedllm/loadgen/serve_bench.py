@@ -13,7 +13,9 @@ error chunk mid-stream, a stream without a finish reason) are counted and report
 The report (``serve_metrics.summarize``) gives completed/failed requests, throughput, TTFT, TPOT,
 ITL and E2E latency, plus the settings, the machine, the most requests seen in flight, this
 process's own CPU time over the run (the load generator's share of the cores) and, given
-``server_pid`` on the same machine, the server's.
+``server_pid`` on the same machine, the server's; and, where the server's ``/metrics`` has them
+(pagedllm's or vLLM's, with ``--speculative-config``), its speculative-decoding counters over the
+run: guesses verified and accepted, the acceptance rate and the mean accepted length.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import asyncio
 import json
 import math
 import random
+import re
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -36,6 +39,36 @@ from pagedllm.workloads.text import TextRequest, text_workload, trace_text_workl
 from pagedllm.workloads.traces import read_trace
 
 ENDPOINTS = ("completions", "chat")
+# a server's speculative-decoding counters (pagedllm's and vLLM's share the names)
+SPEC_COUNTER = re.compile(r"^(?:pagedllm|vllm):spec_decode_num_(drafts|draft_tokens|accepted_tokens)(?:_total)?"
+                          r"(?:\{[^}]*\})? ([0-9.eE+-]+)$", re.M)
+
+
+async def spec_decode_counters(http, base_url: str) -> dict[str, float] | None:
+    """The server's speculative-decoding counters from its ``/metrics`` (summed over label sets:
+    several replicas, several models), or None where it has none (or no /metrics)."""
+    root = base_url.rstrip("/").removesuffix("/v1")
+    try:
+        response = await http.get(root + "/metrics", timeout=10)
+    except Exception:  # noqa: BLE001 - a server without /metrics reports nothing here
+        return None
+    if response.status_code != 200:
+        return None
+    out: dict[str, float] = {}
+    for name, value in SPEC_COUNTER.findall(response.text):
+        out[name] = out.get(name, 0.0) + float(value)
+    return out if len(out) == 3 else None
+
+
+def spec_decode_report(before: dict | None, after: dict | None) -> dict | None:
+    """The counters' growth over the run, with the acceptance rate and the mean accepted length."""
+    if before is None or after is None:
+        return None
+    d = {k: after[k] - before[k] for k in after}
+    return {"drafts": int(d["drafts"]), "draft_tokens": int(d["draft_tokens"]),
+            "accepted_tokens": int(d["accepted_tokens"]),
+            "acceptance_rate": d["accepted_tokens"] / d["draft_tokens"] if d["draft_tokens"] else 0.0,
+            "mean_accepted_length": 1 + d["accepted_tokens"] / d["drafts"] if d["drafts"] else 0.0}
 
 
 @dataclass(frozen=True)
@@ -202,9 +235,13 @@ async def run_benchmark(cfg: ServeBenchConfig, http_client=None) -> dict:
     requests, offsets = workload(cfg)
     client = openai.AsyncOpenAI(base_url=cfg.base_url, api_key=cfg.api_key or "EMPTY", max_retries=0,
                                 timeout=cfg.timeout_s, http_client=http_client)
+    import httpx
+
+    metrics_http = httpx.AsyncClient()
     try:
         model, model_error = await resolve_model(client, cfg.model)
         warmup_errors = await _warmup(cfg, client, model)
+        spec_before = await spec_decode_counters(metrics_http, cfg.base_url)
         records = [RequestRecord(i, r.num_words, r.output_len, scheduled_s=t)
                    for i, (r, t) in enumerate(zip(requests, offsets, strict=True))]
         server_cpu0 = process_cpu_seconds(cfg.server_pid) if cfg.server_pid else None
@@ -225,15 +262,17 @@ async def run_benchmark(cfg: ServeBenchConfig, http_client=None) -> dict:
 
             await asyncio.gather(*(arrive(q, r) for q, r in zip(requests, records, strict=True)))
             duration = session.now()
+        spec_decode = spec_decode_report(spec_before, await spec_decode_counters(metrics_http, cfg.base_url))
         server_cpu = None
         if server_cpu0 is not None:
             used = process_cpu_seconds(cfg.server_pid) - server_cpu0
             server_cpu = {"pid": cfg.server_pid, "cpu_s": round(used, 3), "cores_busy": round(used / duration, 3)}
     finally:
         await client.close()
+        await metrics_http.aclose()
     return {"settings": cfg.settings(), "model": model, "model_error": model_error, "warmup_errors": warmup_errors,
             "machine": machine_info(), **summarize(records, duration), "max_in_flight": session.max_in_flight,
-            "client_cpu": clock.result.as_dict(), "server_cpu": server_cpu,
+            "client_cpu": clock.result.as_dict(), "server_cpu": server_cpu, "spec_decode": spec_decode,
             "requests": [r.as_dict() for r in records]}
 
 
@@ -290,6 +329,13 @@ def format_report(report: dict) -> str:
         for stat in ("mean", "p50", "p99"):
             lines.append(_row(f"{stat.capitalize() if stat == 'mean' else stat.upper()} (ms):",
                               None if d[stat] is None else f"{d[stat]:.2f}"))
+    spec = report.get("spec_decode")
+    if spec is not None:  # as vllm bench serve prints it
+        lines += [f"{'Speculative Decoding':-^58}",
+                  _row("Acceptance rate (%):", f"{100 * spec['acceptance_rate']:.2f}"),
+                  _row("Acceptance length:", f"{spec['mean_accepted_length']:.2f}"),
+                  _row("Drafts:", spec["drafts"]), _row("Draft tokens:", spec["draft_tokens"]),
+                  _row("Accepted tokens:", spec["accepted_tokens"])]
     lines.append("=" * 58)
     return "\n".join(lines)
 

@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 
 from pagedllm.engine.scheduler import ScheduledChunk, SchedulerOutput
 
-# (request id, token ids, start position, table entries kept, table entries after them)
-ChunkMessage = tuple[str, list[int], int, int, list[int]]
+# (request id, token ids, start position, table entries kept, table entries after them, how many of
+# the token ids are speculative guesses: the chunk is then laid out as decode rows, on every rank alike)
+ChunkMessage = tuple[str, list[int], int, int, list[int], int]
 
 
 @dataclass
@@ -52,7 +53,8 @@ class StepEncoder:
         for c in out.chunks:
             known = self.tables.get(c.request_id, [])
             keep = _common_prefix(known, c.block_ids) if known else 0
-            msg.chunks.append((c.request_id, list(c.token_ids), c.start_pos, keep, list(c.block_ids[keep:])))
+            msg.chunks.append((c.request_id, list(c.token_ids), c.start_pos, keep, list(c.block_ids[keep:]),
+                               len(c.draft_token_ids)))
             self.tables[c.request_id] = list(c.block_ids)
         if live is not None:
             msg.released = [rid for rid in self.tables if rid not in live]
@@ -69,10 +71,11 @@ class StepDecoder:
 
     def decode(self, msg: StepMessage) -> SchedulerOutput:
         chunks = []
-        for rid, token_ids, start_pos, keep, tail in msg.chunks:
+        for rid, token_ids, start_pos, keep, tail, num_guesses in msg.chunks:
             table = self.tables.get(rid, [])[:keep] + tail
             self.tables[rid] = table
-            chunks.append(ScheduledChunk(rid, token_ids, start_pos, table, sample=False))
+            guesses = token_ids[len(token_ids) - num_guesses:] if num_guesses else []
+            chunks.append(ScheduledChunk(rid, token_ids, start_pos, table, sample=False, draft_token_ids=guesses))
         for rid in msg.released:
             self.tables.pop(rid, None)
         return SchedulerOutput(chunks=chunks, copies=msg.copies, swap_out=msg.swap_out, swap_in=msg.swap_in)

@@ -12,7 +12,7 @@ table is measured, see ``STEP_COST``). Guess j (1-based) of a request is worth i
 rate ``a`` to the power j (it counts only if the j - 1 before it were accepted). ``plan_step``
 gives the step the R extra rows, best-valued guesses first, that maximise the expected tokens
 per unit of cost, ``(n + sum of their values) / step_cost(n + R)`` for n decoding requests, and
-none unless that beats ``n / step_cost(n)``. So it guesses nothing:
+none unless that beats ``n / step_cost(n)`` by ``MIN_GAIN``. So it guesses nothing:
 - in a step with more than ``disable_by_batch_size`` running requests;
 - for a request whose guesses are mostly rejected (its rate decays towards 0; after
   ``PROBE_INTERVAL`` steps without guesses it is reset to the prior, to notice text that turns
@@ -43,6 +43,10 @@ STEP_COST = (1.0, 1.2, 1.43, 1.69, 2.79, 2.84, 2.93, 3.03, 3.1, 3.2, 3.3, 3.4, 3
 PRIOR_ACCEPTANCE = 0.7   # a request's acceptance rate before any guess of its own was verified
 ACCEPTANCE_DECAY = 0.7   # weight of the past in the exponential average (per verified guess)
 PROBE_INTERVAL = 16      # steps without guesses after which a request's rate returns to the prior
+# guesses must promise this much more than the plain step's tokens per unit of cost: the table
+# times the model's forward pass only, not the sampler's extra rows or the bookkeeping, and a rate
+# is an estimate (at batch 4, guessing at break-even cost 2-8%: docs/speculative.md)
+MIN_GAIN = 1.1
 
 
 def step_cost(rows: int) -> float:
@@ -55,8 +59,9 @@ def step_cost(rows: int) -> float:
 def best_extra_rows(num_requests: int, values: Sequence[float], max_rows: int | None) -> int:
     """How many of ``values`` (the guesses' expected tokens, best first) to verify in a step of
     ``num_requests`` decoding requests: the count with the most expected tokens per unit of
-    cost, 0 unless some count beats the plain step; at most ``max_rows`` rows in all."""
-    best, best_rate = 0, num_requests / step_cost(num_requests)
+    cost, 0 unless some count beats the plain step by ``MIN_GAIN``; at most ``max_rows`` rows in all."""
+    plain = num_requests / step_cost(num_requests)
+    best, best_rate = 0, plain * MIN_GAIN
     tokens = float(num_requests)
     for r, value in enumerate(values, start=1):
         if max_rows is not None and num_requests + r > max_rows:
@@ -120,12 +125,16 @@ class Drafter:
         self.stats = SpecDecodeStats()
         self._requests: dict[str, _RequestSpec] = {}
 
+    def may_guess(self, num_rows: int) -> bool:
+        """Whether a step of ``num_rows`` running requests may guess at all (``disable_by_batch_size``)."""
+        limit = self.config.disable_by_batch_size
+        return limit is None or num_rows <= limit
+
     def plan_step(self, decoding: list[tuple[Request, int]], num_rows: int) -> dict[str, list[int]]:
         """The guesses of this step's decoding requests (``(request, limit)``: at most ``limit``
         guesses, what its max_tokens and max_model_len leave), by request id; only those that
         pay. ``num_rows``: the step's rows without guesses (its running requests)."""
-        limit = self.config.disable_by_batch_size
-        if not decoding or (limit is not None and num_rows > limit):
+        if not decoding or not self.may_guess(num_rows):
             return {}
         max_rows = self.row_limit if self.row_limit is not None and num_rows <= self.row_limit else None
         proposals: dict[str, list[int]] = {}

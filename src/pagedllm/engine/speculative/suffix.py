@@ -13,7 +13,9 @@ the one whose tokens' probabilities sum higher (the expected accepted length) wi
 Bounded memory: a request's own tree lives while the request does (built on its first guess, then
 extended by the tokens appended since); the global tree holds the outputs of the last
 ``max_cached_requests`` finished requests, and drops the oldest one's paths (counts decremented,
-empty nodes removed) when another comes.
+empty nodes removed) when another comes. A finished request's output is queued and added by the
+guesses, one per guess (so a busy engine, which guesses nothing, spends nothing on the tree, and
+a step after a busy spell pays for a few outputs, not for all it queued).
 Invariant: a request tree holds the substrings ending before the request's last token (none of the
 last token's own suffixes, whose only continuation would be the unknown next token).
 """
@@ -22,6 +24,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+
+CATCH_UP_PER_GUESS = 1  # queued outputs added to the global tree per guess made
 
 
 class _Node:
@@ -142,6 +146,7 @@ class SuffixProposer:
         self.min_token_prob = min_token_prob
         self.global_tree = SuffixTree(max_depth)
         self._cached: OrderedDict[str, tuple[int, ...]] = OrderedDict()  # finished request -> its output
+        self._pending: OrderedDict[str, tuple[int, ...]] = OrderedDict()  # finished, not yet in the tree
         self._trees: dict[str, _RequestTree] = {}  # live request -> its own tree
 
     def propose(self, request_id: str, token_ids: Sequence[int], max_len: int) -> list[int]:
@@ -155,22 +160,36 @@ class SuffixProposer:
         context = token_ids[max(0, len(token_ids) - self.max_depth):]
         args = (max_len, self.max_spec_factor, self.min_token_prob)
         own, own_score = tree.guess(context, *args)
+        self.catch_up(CATCH_UP_PER_GUESS)
         other, other_score = self.global_tree.guess(context, *args) if self._cached else ([], 0.0)
         return own if own_score >= other_score else other
 
     def finish(self, request_id: str, output_token_ids: Sequence[int]) -> None:
-        """The request is over: drop its tree, and keep its output in the global tree."""
+        """The request is over: drop its tree, and queue its output for the global tree (added by
+        the guesses that follow, ``catch_up``: a busy engine that guesses nothing pays nothing for
+        it; the queue keeps at most ``max_cached_requests`` outputs, the newest)."""
         self._trees.pop(request_id, None)
         if self.max_cached_requests == 0 or not output_token_ids:
             return
-        if request_id in self._cached:  # an id used again: its older output leaves first
-            self.global_tree.remove(self._cached.pop(request_id))
-        output = tuple(output_token_ids)
-        self.global_tree.add(output)
-        self._cached[request_id] = output
-        while len(self._cached) > self.max_cached_requests:
-            _, old = self._cached.popitem(last=False)
-            self.global_tree.remove(old)
+        self._pending[request_id] = tuple(output_token_ids)
+        self._pending.move_to_end(request_id)
+        while len(self._pending) > self.max_cached_requests:
+            self._pending.popitem(last=False)
+
+    def catch_up(self, most: int | None = None) -> None:
+        """Add the oldest ``most`` queued outputs (None: all) to the global tree, dropping the oldest
+        past ``max_cached_requests``. Each guess adds ``CATCH_UP_PER_GUESS``: a step pays for a few,
+        not for all that a busy spell queued."""
+        while self._pending and (most is None or most > 0):
+            most = None if most is None else most - 1
+            request_id, output = self._pending.popitem(last=False)
+            if request_id in self._cached:  # an id used again: its older output leaves first
+                self.global_tree.remove(self._cached.pop(request_id))
+            self.global_tree.add(output)
+            self._cached[request_id] = output
+            while len(self._cached) > self.max_cached_requests:
+                _, old = self._cached.popitem(last=False)
+                self.global_tree.remove(old)
 
     def __len__(self) -> int:
         return len(self._trees)
