@@ -183,3 +183,13 @@ def test_speculative_config_is_validated():
         SpeculativeConfig(method="ngram", prompt_lookup_min=4, prompt_lookup_max=2)
     with pytest.raises(ValueError):
         SpeculativeConfig(method="eagle")
+
+
+def test_drafter_asks_no_proposer_when_even_full_guesses_cannot_pay():
+    d = Drafter(SpeculativeConfig(method="suffix"))
+    calls = []
+    propose = d.proposer.propose
+    d.proposer.propose = lambda rid, tokens, most: calls.append(rid) or propose(rid, tokens, most)
+    four = [(make_request(str(i), [1, 2, 3, 4] * 6), 10) for i in range(4)]
+    assert d.plan_step(four, num_rows=4) == {} and calls == []  # 4 rows: 5-8 cost too much at the prior
+    assert d.plan_step(four[:1], num_rows=1) and calls == ["0"]  # one request: guessing pays

@@ -137,8 +137,7 @@ class Drafter:
         if not decoding or not self.may_guess(num_rows):
             return {}
         max_rows = self.row_limit if self.row_limit is not None and num_rows <= self.row_limit else None
-        proposals: dict[str, list[int]] = {}
-        values: list[tuple[float, int, str]] = []  # (expected tokens, position, request id)
+        candidates: list[tuple[Request, int, _RequestSpec]] = []
         for req, most in decoding:
             most = min(most, self.config.num_speculative_tokens)
             if most <= 0 or req.external_tokens or not req.sampling_params.speculative_decoding:
@@ -149,6 +148,16 @@ class Drafter:
             state.idle_steps += 1
             if state.idle_steps > PROBE_INTERVAL:
                 state.acceptance = max(state.acceptance, PRIOR_ACCEPTANCE)
+            candidates.append((req, most, state))
+        # the proposers' lookups cost Python time every step: skip them when even full-length guesses
+        # at every request's rate could not pay (the guesses' values can only be fewer)
+        bound = sorted((state.acceptance ** j for _, most, state in candidates for j in range(1, most + 1)),
+                       reverse=True)
+        if not bound or best_extra_rows(len(decoding), bound, max_rows) == 0:
+            return {}
+        proposals: dict[str, list[int]] = {}
+        values: list[tuple[float, int, str]] = []  # (expected tokens, position, request id)
+        for req, most, state in candidates:
             guesses = self.proposer.propose(req.request_id, req.token_ids, most)
             if guesses and self.validate is not None:
                 guesses = guesses[:self.validate(req.request_id, guesses)]
