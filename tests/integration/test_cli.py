@@ -141,11 +141,14 @@ def test_bench_matmul_times_every_projection_with_each_kernel(tmp_path):
                 "panels_fp32": hasattr(ops, "ops") and ops.ops.has_panel_linear()}
     expected = {"dense", "plain_fp32", "gguf_blocks", "int8_channel", "int8_dequant"} | {
         k for k, ok in packings.items() if ok}
-    assert set(report["not_timed"]) == {k for k, ok in packings.items() if not ok}
+    tiles = hasattr(ops, "ops") and ops.ops.has_bf16_tiles()  # AVX-512 BF16 builds
+    assert set(report["not_timed"]) == {k for k, ok in packings.items() if not ok} | (
+        set() if tiles else {"gguf_blocks_tiles"})
     assert cpu.family in report["cpu"]
     for name, proj in report["projections"].items():
-        # the 4-bit layers also time our C++ 4-bit kernel; the LM head is Q8_0 here
-        kinds = expected if name == "lm_head" else expected | {"gguf_blocks_cpp"}
+        # the 4-bit layers also time our C++ 4-bit kernels; the LM head is Q8_0 here
+        kinds = expected if name == "lm_head" else expected | {"gguf_blocks_cpp"} | (
+            {"gguf_blocks_tiles"} if tiles else set())
         for timings in proj["ms"].values():
             assert set(timings) == kinds and min(timings.values()) > 0
     assert "per layer" in r.stdout

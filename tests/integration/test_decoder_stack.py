@@ -20,10 +20,13 @@ from pagedllm.cpu_features import matmul_dtype
 from pagedllm.models import decoder_stack
 from pagedllm.models.gguf_quant import decode_blocks
 from pagedllm.models.quantized_linear import (
+    INT4_MATMULS,
     Int4BlockMatmul,
     Int4Matmul,
+    Int4TileMatmul,
     Int8BlockMatmul,
     Int8ChannelMatmul,
+    Int8TileMatmul,
     NativePackedMatmul,
 )
 from tests.conftest import force_cpu_family, make_tiny_checkpoint
@@ -87,6 +90,8 @@ def gguf_blocks(folder: str, kind: str) -> dict:
     ("qwen2", "float32", "Q4_1", False),   # our C++ 4-bit kernel for small steps, with the bias added after it
     ("llama", "bfloat16", "Q4_0", True),   # torch's 4-bit kernel
     ("llama", "bfloat16", "Q8_0", False),  # our Q8_0 kernel (attached even where its crossover is 0 rows)
+    ("qwen2", "bfloat16", "Q4_1 tiles", True),  # our AVX-512 BF16 tile kernels (skipped where the build lacks them)
+    ("llama", "bfloat16", "Q8_0 tiles", True),
 ])
 def test_tiny_checkpoints_equal_the_python_loop(tmp_path, monkeypatch, arch, dtype, kind, native_bf16):
     if native_bf16:  # as the engine chooses on such a CPU; oneDNN emulates bf16 where the CPU lacks it
@@ -104,11 +109,14 @@ def test_tiny_checkpoints_equal_the_python_loop(tmp_path, monkeypatch, arch, dty
         assert (layer.mlp.down_proj.packed is None) == (
             dtype == "float32" or (dtype == "float16" and widen is None) or panels)
     if kind is not None:
+        kind, tiles = kind.removesuffix(" tiles"), kind.endswith(" tiles")
+        if tiles and not llm.engine.runner.model.layer_ops.has_bf16_tiles():
+            pytest.skip("this build has no AVX-512 BF16 tile kernels (AVX-512 BF16 CPUs only)")
         llm.generate([{"prompt_token_ids": [5]}], PARAMS, use_tqdm=False)  # builds the stack before the change
         model = llm.engine.runner.model
-        int4_kernel = "cpp" if kind == "Q4_1" else "torch"
-        assert model.use_gguf_quantized(gguf_blocks(folder, kind), max_rows=8,
-                                        int4_kernel=int4_kernel) == 4 * model.config.num_layers
+        int4_kernel = "tiles" if tiles else "cpp" if kind == "Q4_1" else "torch"
+        assert model.use_gguf_quantized(gguf_blocks(folder, kind), max_rows=8, int4_kernel=int4_kernel,
+                                        q8_0_kernel="tiles" if tiles else "cpp") == 4 * model.config.num_layers
         # the stack must be rebuilt with the new kernels: a stale one would decode with the dense
         # weights, whose logprobs differ from the quantized ones the Python loop uses. Changed
         # weights undo finalize: no step runs the stale stack until it is called again
@@ -119,6 +127,8 @@ def test_tiny_checkpoints_equal_the_python_loop(tmp_path, monkeypatch, arch, dty
         model.finalize(backend)
         kernel = model.layers[0].mlp.down_proj.small_batch
         expected = {"Q8_0": Int8BlockMatmul, "Q4_1": Int4BlockMatmul, "Q4_0": Int4Matmul}[kind]
+        if tiles:
+            expected = Int8TileMatmul if kind == "Q8_0" else Int4TileMatmul
         assert isinstance(kernel, expected)
     assert_stack_equals_python_loop(llm, prompts)
 
@@ -139,7 +149,7 @@ def test_default_model_in_bf16_with_its_gguf_blocks_equals_the_python_loop():
     """The engine's own configuration: 4-bit blocks for decode steps, prepacked dense GEMMs for prefill."""
     llm = LLM(dtype="bfloat16", kv_cache_memory="64MiB", enable_prefix_caching=False)
     assert llm.engine.config.quantization == "gguf"
-    int4 = Int4BlockMatmul if llm.engine.kernel_plan.int4_kernel == "cpp" else Int4Matmul
+    int4 = INT4_MATMULS[llm.engine.kernel_plan.int4_kernel]
     assert isinstance(llm.engine.runner.model.layers[0].self_attn.qkv_proj.small_batch, int4)
     assert_stack_equals_python_loop(llm, prompts_for(llm.engine.config.model.vocab_size, (3, 20, 40)))
 

@@ -10,7 +10,12 @@ from pagedllm import LLM, SamplingParams, cpu_features
 from pagedllm.cpu_features import matmul_dtype
 from pagedllm.errors import InvalidRequest, RequestTooLong
 from pagedllm.models.kernel_plan import plan_kernels
-from pagedllm.models.quantized_linear import Int4BlockMatmul, Int4Matmul, Int8BlockMatmul, Linear, NativePackedMatmul
+from pagedllm.models.quantized_linear import (
+    INT4_MATMULS,
+    Q8_0_MATMULS,
+    Linear,
+    NativePackedMatmul,
+)
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
 
@@ -226,13 +231,13 @@ def test_bf16_engine_prepacks_weights_and_logits_equal_dense():
     assert all((lin.widen == torch.float32) == widened for lin in model.modules() if isinstance(lin, Linear))
     # the GGUF kernels' crossovers are the family's: 4-bit blocks in every layer...
     qkv = model.layers[0].self_attn.qkv_proj
-    int4 = Int4BlockMatmul if plan.int4_kernel == "cpp" else Int4Matmul
+    int4 = INT4_MATMULS[plan.int4_kernel]
     assert isinstance(qkv.small_batch, int4) and qkv.max_rows == plan.int4_rows
     # ...and the LM head on its Q8_0 blocks, or (AVX-512 without BF16) the bf16 weight natively
     # packed for one row, half float32's bytes, or (AMX) the packed dense head at every size
     head = model.lm_head
     if plan.q8_0_rows:
-        assert isinstance(head.small_batch, Int8BlockMatmul) and head.max_rows == plan.q8_0_rows
+        assert isinstance(head.small_batch, Q8_0_MATMULS[plan.q8_0_kernel]) and head.max_rows == plan.q8_0_rows
     elif plan.native_head_rows:
         assert isinstance(head.small_batch, NativePackedMatmul) and head.max_rows == plan.native_head_rows
     else:

@@ -213,7 +213,7 @@ def test_each_rank_runs_its_slice_of_the_gguf_blocks():
     """bfloat16, quantization auto: the GGUF's own Q4_1 blocks, sliced per rank on their 32-value
     groups (o_proj: 192 of 576 columns, down_proj: 512 of 1,536), serve the small steps on every
     rank; tokens equal one rank's save where its top two logits are within bfloat16's noise."""
-    from pagedllm.models.quantized_linear import Int4BlockMatmul, Int4Matmul
+    from pagedllm.models.quantized_linear import INT4_MATMULS
 
     params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=2)
     prompt = "The capital of France is"
@@ -222,8 +222,9 @@ def test_each_rank_runs_its_slice_of_the_gguf_blocks():
     try:
         assert three.engine.config.quantization == "gguf"
         layer = three.engine.runner.model.layers[0]
+        int4 = INT4_MATMULS[three.engine.kernel_plan.int4_kernel]  # this CPU's 4-bit kernel on every slice
         for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
-            assert isinstance(linear.small_batch, Int4BlockMatmul | Int4Matmul)
+            assert isinstance(linear.small_batch, int4)
         assert three.engine.runner.model.config.num_heads == 3
         ref = one.generate(prompt, params, use_tqdm=False)[0].outputs[0]
         got = three.generate(prompt, params, use_tqdm=False)[0].outputs[0]

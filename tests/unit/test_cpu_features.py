@@ -118,8 +118,13 @@ def test_each_family_gets_its_measured_kernel_plan(family):
     # torch's int4 kernel with float32 activations: 7x slower than the dense GEMM on AVX2
     assert (fp32.int4_rows, fp32.q8_0_rows) == ((8, 8) if family in ("amx", "avx512_bf16", "avx512") else (0, 16))
     # our C++ 4-bit kernel where its AVX2 body beats torch's int4 one; torch's elsewhere
-    assert plan.int4_kernel == fp32.int4_kernel == ("cpp" if family == "avx2" else "torch")
+    # and our AVX-512 BF16 tile kernel for bf16 models with BF16 dot products (AMX keeps torch's at 1 row)
+    assert fp32.int4_kernel == ("cpp" if family == "avx2" else "torch")
+    assert plan.int4_kernel == {"avx2": "cpp", "avx512_bf16": "tiles"}.get(family, "torch")
     assert ("int4 (C++) <= 16 rows" in plan.describe()) == (family == "avx2")
+    assert ("int4 (C++ BF16 tiles) <= 8 rows" in plan.describe()) == (family == "avx512_bf16")
+    assert plan.q8_0_kernel == ("tiles" if family == "avx512_bf16" else "cpp") and fp32.q8_0_kernel == "cpp"
+    assert ("Q8_0 (C++ BF16 tiles) <= 8 rows" in plan.describe()) == (family == "avx512_bf16")
     # steps of 2,048 tokens where AMX tiles run the bf16 GEMMs (measured there); 1,024 elsewhere
     assert plan.step_tokens == (2048 if family == "amx" else 1024) and fp32.step_tokens == 1024
     assert f"steps of {plan.step_tokens} tokens" in plan.describe()

@@ -13,7 +13,9 @@ from pagedllm.models.layer_ops import EXTENSION, CpuLayerOps, TorchLayerOps, get
 from pagedllm.models.quantized_linear import (
     Int4BlockMatmul,
     Int4Matmul,
+    Int4TileMatmul,
     Int8BlockMatmul,
+    Int8TileMatmul,
     Linear,
     pack_panels,
     quantized_matmul,
@@ -117,12 +119,54 @@ def test_small_step_kernels_compute_each_row_alone_bit_for_bit(ops, kind):
     q8_blocks, _ = gguf_weight("Q8_0", 80, 288, seed=6)
     kernels = [quantized_matmul(blocks, torch.float32, ops, "cpp"), Int8BlockMatmul(q8_blocks, ops),
                Int4Matmul(blocks, torch.bfloat16)]
+    if ops.has_bf16_tiles():  # AVX-512 BF16 builds: our tile kernels, 8 rows per unpacked tile and more
+        kernels += [quantized_matmul(blocks, torch.bfloat16, ops, "tiles"),
+                    quantized_matmul(q8_blocks, torch.bfloat16, ops, q8_0_kernel="tiles")]
+        assert isinstance(kernels[-2], Int4TileMatmul) and isinstance(kernels[-1], Int8TileMatmul)
     for kernel in kernels:
-        xs = x.bfloat16() if isinstance(kernel, Int4Matmul) else x
+        xs = x.bfloat16() if isinstance(kernel, (Int4Matmul, Int4TileMatmul, Int8TileMatmul)) else x
         rows = 8 if isinstance(kernel, Int4Matmul) else 16
         alone = torch.cat([kernel(xs[i:i + 1]) for i in range(rows)])
         for m in range(2, rows + 1):
             assert torch.equal(kernel(xs[:m]), alone[:m]), (type(kernel).__name__, m)
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+def test_tile_matmuls_equal_dense_at_every_row_count(ops, kind):
+    """Our AVX-512 BF16 tile kernels: exact codes times bfloat16 inputs (exact products), float32
+    sums, so their float32 output equals the float64 product to float32's rounding; rows 1-17 cover
+    every row group (1-8) and a remainder, 80 channels five tiles, 288 inputs nine blocks."""
+    if not ops.has_bf16_tiles():
+        pytest.skip("this build has no AVX-512 BF16 tile kernels (AVX-512 BF16 CPUs only)")
+    blocks, dense = gguf_weight(kind, 80, 288, seed=7)
+    kernel = quantized_matmul(blocks, torch.bfloat16, ops, "tiles", "tiles")
+    assert isinstance(kernel, Int8TileMatmul if kind == "Q8_0" else Int4TileMatmul)
+    raw = ops.q8_0_tiles_linear if kind == "Q8_0" else ops.q4_tiles_linear
+    tensors = (kernel.codes, kernel.scales) if kind == "Q8_0" else (kernel.codes, kernel.scale_min)
+    x = torch.randn(17, 288, generator=torch.Generator().manual_seed(7)).bfloat16()
+    exact = x.double() @ dense.double().T
+    for rows in range(1, 18):
+        out = raw(x[:rows], *tensors)
+        assert out.dtype == torch.float32 and out.shape == (rows, 80)
+        torch.testing.assert_close(out.double(), exact[:rows], rtol=1e-5, atol=1e-5)
+        assert torch.equal(kernel(x[:rows]), out.bfloat16())
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        raw(x.float(), *tensors)
+
+
+def test_the_tile_kernels_are_chosen_only_where_they_apply(ops):
+    """bfloat16 rows, channels in whole tiles of 16, a build that has it; torch's int4 kernel else."""
+    blocks, _ = gguf_weight("Q4_1", 80, 64)
+    uneven, _ = gguf_weight("Q4_1", 72, 64)
+    assert isinstance(quantized_matmul(blocks, torch.float32, ops, "tiles"), Int4Matmul)
+    assert not Int4TileMatmul.accepts(uneven)  # (nor does torch's int4 kernel take it)
+    chosen = quantized_matmul(blocks, torch.bfloat16, ops, "tiles")
+    assert isinstance(chosen, Int4TileMatmul if ops.has_bf16_tiles() else Int4Matmul)
+    assert isinstance(quantized_matmul(blocks, torch.bfloat16, TORCH, "tiles"), Int4Matmul)  # no C++ ops
+    q8_blocks, _ = gguf_weight("Q8_0", 80, 64)
+    assert isinstance(quantized_matmul(q8_blocks, torch.float32, ops, q8_0_kernel="tiles"), Int8BlockMatmul)
+    chosen = quantized_matmul(q8_blocks, torch.bfloat16, ops, q8_0_kernel="tiles")
+    assert isinstance(chosen, Int8TileMatmul if ops.has_bf16_tiles() else Int8BlockMatmul)
 
 
 def test_cpp_int4_matmul_refuses_scales_float16_cannot_hold(ops):

@@ -127,10 +127,13 @@ def test_step_cost_and_extra_rows_follow_the_table():
     assert step_cost(1) == 1.0 and step_cost(0) == 1.0
     table = drafter_module.STEP_COST
     assert step_cost(len(table) + 2) == pytest.approx(table[-1] + 2 * (table[-1] - table[-2]))
-    # one request: three sure guesses fill 4 rows cheaply; a 5th row (a new 4-row kernel block) does not pay
+    # one request: three sure guesses in 4 rows (1.43x one row's cost); a 5th row (+0.24) for 0.3 tokens does not pay
     assert best_extra_rows(1, [1.0, 1.0, 1.0, 0.3], None) == 3
     assert best_extra_rows(1, [0.1, 0.05], None) == 0  # guesses that are rarely right never pay
-    assert best_extra_rows(4, [0.9] * 4, None) == 0  # 8 rows cost 1.8x 4 rows: 7.6 tokens do not pay 1.1x
+    # four requests (1.43): 3 guesses of 0.9 (2.15) give 6.7 / 2.15 = 3.12 tokens per unit, 1.11x the
+    # plain 2.80; guesses of 0.6 give at most 2.71 (2 guesses), below it
+    assert best_extra_rows(4, [0.9] * 4, None) == 3
+    assert best_extra_rows(4, [0.6] * 4, None) == 0
     assert best_extra_rows(1, [1.0] * 7, 4) == 3  # at most 4 rows in all
     assert best_extra_rows(1, [1.0] * 7, None) == 7  # all sure: 8 rows carry 8 tokens for ~3 rows' cost
 

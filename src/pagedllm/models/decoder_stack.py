@@ -22,7 +22,15 @@ from pathlib import Path
 
 from pagedllm.cpu_extension import CppExtension
 from pagedllm.models.layer_ops import CpuLayerOps
-from pagedllm.models.quantized_linear import Int4BlockMatmul, Int4Matmul, Int8BlockMatmul, Int8ChannelMatmul, Linear
+from pagedllm.models.quantized_linear import (
+    Int4BlockMatmul,
+    Int4Matmul,
+    Int4TileMatmul,
+    Int8BlockMatmul,
+    Int8ChannelMatmul,
+    Int8TileMatmul,
+    Linear,
+)
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +39,7 @@ EXTENSION = CppExtension("pagedllm_decoder_stack", Path(__file__).parent / "csrc
 
 # the C++ side's codes (Projection::Dense, Projection::Small)
 DENSE_PLAIN, DENSE_PACKED, DENSE_PACKED_WIDENED, DENSE_PANELS_WIDENED, DENSE_INT8 = 0, 1, 2, 3, 4
-SMALL_NONE, SMALL_INT4, SMALL_Q8_0, SMALL_Q4, SMALL_INT8 = 0, 1, 2, 3, 4
+SMALL_NONE, SMALL_INT4, SMALL_Q8_0, SMALL_Q4, SMALL_INT8, SMALL_Q4_TILES, SMALL_Q8_0_TILES = 0, 1, 2, 3, 4, 5, 6
 
 
 def describe_projection(module, linear: Linear, dtype):
@@ -47,6 +55,10 @@ def describe_projection(module, linear: Linear, dtype):
         small, a, b = SMALL_Q8_0, kernel.codes, kernel.scale
     elif isinstance(kernel, Int4BlockMatmul):
         small, a, b = SMALL_Q4, kernel.codes, kernel.scale_min
+    elif isinstance(kernel, Int4TileMatmul):
+        small, a, b = SMALL_Q4_TILES, kernel.codes, kernel.scale_min
+    elif isinstance(kernel, Int8TileMatmul):
+        small, a, b = SMALL_Q8_0_TILES, kernel.codes, kernel.scales
     elif kernel is not None:
         return None
     if linear.int8_weight is not None:

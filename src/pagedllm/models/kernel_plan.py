@@ -20,7 +20,8 @@ trying and catching:
 
 The crossovers and budgets per family (the figures that chose them, with machines and commands:
 docs/design.md, "Figures behind the code's choices"): AVX-512 with BF16: 4-bit and Q8_0 up to 8
-rows. AMX: a bf16 model runs the 4-bit kernel at 1 row only and never the Q8_0 head;
+rows, a bf16 model's 4-bit blocks on our tile kernel (``csrc/bf16_tiles.h``, VDPBF16PS). AMX: a bf16
+model runs the 4-bit kernel at 1 row only and never the Q8_0 head;
 ``step_tokens`` 2,048. AVX-512 without BF16: the 4-bit kernel up to 16 rows, the natively packed
 bf16 head at 1 row. AVX2 without AVX-512: our C++ 4-bit kernel and the Q8_0 head up to 16 rows,
 the panel GEMM for widened models; a float32 model never runs the 4-bit kernel. The float32
@@ -37,6 +38,7 @@ from pagedllm.config import DEFAULT_STEP_TOKENS
 from pagedllm.cpu_features import CpuFeatures, matmul_dtype_for
 
 DEFAULT_INT8_ROWS = 16
+INT4_KERNELS = ("torch", "cpp", "tiles")
 
 
 @dataclass(frozen=True)
@@ -48,18 +50,24 @@ class KernelPlan:
     int4_rows: int               # 4-bit blocks for steps of at most this many rows (0: never)
     q8_0_rows: int               # Q8_0 blocks likewise
     native_head_rows: int        # a bf16-packed head for steps up to this many rows (where no Q8_0 head)
-    int4_kernel: str = "torch"   # the 4-bit kernel: "torch" (its int4 matmul) or "cpp" (our q4_linear)
+    int4_kernel: str = "torch"   # the 4-bit kernel: "torch" (its int4 matmul), "cpp" (our q4_linear) or
+    #                              "tiles" (our AVX-512 BF16 q4_tiles_linear, bfloat16 models)
     step_tokens: int = DEFAULT_STEP_TOKENS  # the default token budget of a step (max_num_batched_tokens)
     dense_kernel: str = "onednn"  # "onednn" (packed per `pack`, or plain) or "panels" (the AVX2 panel GEMM)
     int8_rows: int = DEFAULT_INT8_ROWS  # quantization="int8": its int8 kernel up to this many rows
+    q8_0_kernel: str = "cpp"     # the Q8_0 kernel: "cpp" (our q8_0_linear) or "tiles" (q8_0_tiles_linear)
 
     def __post_init__(self) -> None:
         if min(self.int4_rows, self.q8_0_rows, self.native_head_rows, self.int8_rows) < 0:
             raise ValueError("row crossovers must be >= 0")
         if self.step_tokens < 1:
             raise ValueError(f"step_tokens must be >= 1, got {self.step_tokens}")
-        if self.int4_kernel not in ("torch", "cpp"):
-            raise ValueError(f"int4_kernel must be 'torch' or 'cpp', got {self.int4_kernel!r}")
+        if self.int4_kernel not in INT4_KERNELS:
+            raise ValueError(f"int4_kernel must be one of {INT4_KERNELS}, got {self.int4_kernel!r}")
+        if self.q8_0_kernel not in ("cpp", "tiles"):
+            raise ValueError(f"q8_0_kernel must be 'cpp' or 'tiles', got {self.q8_0_kernel!r}")
+        if "tiles" in (self.int4_kernel, self.q8_0_kernel) and self.dtype != torch.bfloat16:
+            raise ValueError("the tile kernels take bfloat16 rows only")
         if self.dense_kernel not in ("onednn", "panels"):
             raise ValueError(f"dense_kernel must be 'onednn' or 'panels', got {self.dense_kernel!r}")
         if self.dense_kernel == "panels" and not self.widened:
@@ -78,9 +86,10 @@ class KernelPlan:
             dense += ", AVX2 panels"
         else:
             dense += ", oneDNN-packed" if self.pack else ", plain weights"
-        int4 = "int4" if self.int4_kernel == "torch" else "int4 (C++)"
+        int4 = {"torch": "int4", "cpp": "int4 (C++)", "tiles": "int4 (C++ BF16 tiles)"}[self.int4_kernel]
+        q8_0 = "Q8_0 (C++ BF16 tiles)" if self.q8_0_kernel == "tiles" else "Q8_0"
         small = [f"{kind} <= {rows} rows" for kind, rows in
-                 ((int4, self.int4_rows), ("Q8_0", self.q8_0_rows), ("bf16 head", self.native_head_rows)) if rows]
+                 ((int4, self.int4_rows), (q8_0, self.q8_0_rows), ("bf16 head", self.native_head_rows)) if rows]
         return dense + (f"; small steps: {', '.join(small)}" if small else "") + f"; steps of {self.step_tokens} tokens"
 
 
@@ -107,12 +116,15 @@ def plan_kernels(cpu: CpuFeatures, dtype: torch.dtype) -> KernelPlan:
         int4_rows, q8_0_rows, native_head = 16, 16, 0
     else:  # narrower (neon, sve, baseline): torch's 4-bit kernel, the AVX2 crossovers otherwise (untested)
         int4_rows, q8_0_rows, native_head = 8, 16, 0
-    # our C++ 4-bit kernel has an AVX2 body that beats torch's int4 kernel there; elsewhere torch's
-    int4_kernel = "cpp" if cpu.family == "avx2" else "torch"
+    # our C++ 4-bit kernel has an AVX2 body that beats torch's int4 kernel there; with AVX-512 BF16
+    # dot products, our tile kernel beats it for bfloat16 models (2.1x at 1 row, 2.1x at 8); elsewhere torch's
+    # (and its Q8_0 twin beats our float32 Q8_0 kernel: the 49,152-row head at 8 rows in 1.7 ms, not 3.3)
+    tiles = cpu.family == "avx512_bf16" and dtype == torch.bfloat16 and not widened
+    int4_kernel = "cpp" if cpu.family == "avx2" else "tiles" if tiles else "torch"
     # AMX tiles run oneDNN's bf16 GEMM at half speed below ~2,048 rows for some of the projections
     # (the module docstring): steps of 2,048 tokens prefill 15-40% faster there
     step_tokens = 2048 if not widened and cpu.family == "amx" and dtype == torch.bfloat16 else DEFAULT_STEP_TOKENS
     # our AVX2 float32 GEMM beats oneDNN's float32 one there (the module docstring)
     dense_kernel = "panels" if widened and cpu.family == "avx2" else "onednn"
     return KernelPlan(cpu.family, dtype, compute, pack, int4_rows, q8_0_rows, native_head, int4_kernel, step_tokens,
-                      dense_kernel)
+                      dense_kernel, q8_0_kernel="tiles" if tiles else "cpp")

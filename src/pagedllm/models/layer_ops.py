@@ -70,6 +70,16 @@ class CpuLayerOps(TorchLayerOps):
     def q4_linear(self, x: torch.Tensor, codes: torch.Tensor, scale_min: torch.Tensor) -> torch.Tensor:
         return self.ops.q4_linear(x, codes, scale_min)
 
+    def q4_tiles_linear(self, x: torch.Tensor, codes: torch.Tensor, scale_min: torch.Tensor) -> torch.Tensor:
+        return self.ops.q4_tiles_linear(x, codes, scale_min)
+
+    def q8_0_tiles_linear(self, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        return self.ops.q8_0_tiles_linear(x, codes, scales)
+
+    def has_bf16_tiles(self) -> bool:
+        """Whether this build has the AVX-512 BF16 tile kernels (``csrc/bf16_tiles.h``)."""
+        return self.ops.has_bf16_tiles()
+
 
 def get_layer_ops(device: str | torch.device) -> TorchLayerOps:
     """C++ ops on CPU when they build (warns once if not), torch ops elsewhere."""

@@ -201,14 +201,17 @@ class LlamaForCausalLM(nn.Module):
         return sum(m.prepack(compute, panel_ops) for m in self.modules() if isinstance(m, Linear))
 
     def use_gguf_quantized(self, quantized: dict[str, BlockQuantized], plan: KernelPlan | None = None,
-                           max_rows: int | None = None, int4_kernel: str | None = None) -> int:
+                           max_rows: int | None = None, int4_kernel: str | None = None,
+                           q8_0_kernel: str | None = None) -> int:
         """Attach small-batch kernels over GGUF blocks (HF-named, as the loader gives them) to every
         projection whose parts are all block-quantized alike; returns how many projections use them.
         The rows up to which each kernel runs are ``plan``'s crossovers for this CPU family
         (``int4_rows``, ``q8_0_rows``), or ``max_rows`` for both (default ``DEFAULT_MAX_ROWS``); the
-        4-bit kernel is ``int4_kernel`` or else the plan's (``"torch"`` without a plan)."""
+        4-bit kernel is ``int4_kernel`` or else the plan's (``"torch"`` without a plan), the Q8_0 one
+        ``q8_0_kernel`` or else the plan's (``"cpp"`` without a plan)."""
         ops, attached = self.layer_ops, 0
         int4 = int4_kernel or ("torch" if plan is None else plan.int4_kernel)
+        q8_0 = q8_0_kernel or ("cpp" if plan is None else plan.q8_0_kernel)
         self._finalized_for = None  # the stack holds the kernels: finalize again
 
         def attach(linear: Linear, names: list[str]) -> None:
@@ -220,7 +223,7 @@ class LlamaForCausalLM(nn.Module):
             rows = max_rows
             if rows is None:
                 rows = DEFAULT_MAX_ROWS if plan is None else plan.int4_rows if blocks.bits == 4 else plan.q8_0_rows
-            kernel = None if rows == 0 else quantized_matmul(blocks, self.dtype, ops, int4)
+            kernel = None if rows == 0 else quantized_matmul(blocks, self.dtype, ops, int4, q8_0)
             if kernel is not None:
                 linear.use_quantized(kernel, rows)
                 attached += 1

@@ -10,7 +10,9 @@ also a weight-only quantized kernel that it uses for steps of at most ``max_rows
   it computes ``(q - 8) * scale + zero`` per group, so ``zero = minimum + 8 * scale`` reproduces
   ``scale * q + minimum`` (exact in float32; scale and zero are rounded to the activation dtype);
   or, where the kernel plan says so (AVX2), on the C++ ``q4_linear`` (float32 maths, exact GGUF
-  weights), faster than torch's there (figures: docs/design.md).
+  weights), faster than torch's there (figures: docs/design.md); or (AVX-512 BF16, bfloat16 models)
+  on the C++ ``q4_tiles_linear``: BF16 dot products of the exact codes in tiles of 16 channels,
+  2x torch's kernel's speed at 1 and at 8 rows, and 8 rows for much less than 8 times 1.
 - 8-bit blocks (Q8_0) run on the C++ ``q8_0_linear`` (float32 maths, exact GGUF weights).
 
 Both copies hold the same GGUF weights, so the two paths differ only by rounding, like two GEMM
@@ -84,6 +86,65 @@ class Int4BlockMatmul:
         return self.layer_ops.q4_linear(x, self.codes, self.scale_min).to(x.dtype)
 
 
+class Int4TileMatmul:
+    """bfloat16 x [M, K] @ W^T with W as GGUF 4-bit blocks (Q4_0/Q4_1) through the C++
+    ``q4_tiles_linear`` (``csrc/bf16_tiles.h``): AVX-512 BF16 dot products over the exact weights
+    (codes are exact in bfloat16, so are their products with bfloat16 inputs; float32 sums, the
+    blocks' float16 scale and minimum applied in float32), in tiles of 16 output channels that
+    each serve up to 8 rows at once: a step of 8 rows costs far less than 8 steps of one (the
+    figures: docs/design.md). Output in x's dtype; bfloat16 x only (float32 inputs would have to
+    be rounded)."""
+
+    TILE = 16
+
+    def __init__(self, weight: BlockQuantized, layer_ops) -> None:
+        if not self.accepts(weight):
+            raise ValueError("Int4TileMatmul needs 4-bit codes, N a multiple of 16 and float16-exact scales")
+        n, k = weight.codes.shape
+        t, g = n // self.TILE, k // 32
+        # codes [n, k] as [tile, channel i, block g, step s, pair half h, input of the pair w]:
+        # k = 32 g + 4 s + 2 h + w; byte j = 2 i + w of (tile, g, s) holds h = 0 low, h = 1 high
+        q = weight.codes.to(torch.uint8).view(t, self.TILE, g, 8, 2, 2).permute(0, 2, 3, 4, 1, 5)
+        self.codes = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).reshape(t, g, 8, 2 * self.TILE).contiguous()
+        pairs = torch.stack([weight.scale, weight.minimum], dim=0).view(2, t, self.TILE, g)
+        self.scale_min = pairs.permute(1, 3, 0, 2).half().contiguous()  # [tile, g, (scale, minimum), channel]
+        self.layer_ops = layer_ops
+
+    @classmethod
+    def accepts(cls, weight: BlockQuantized) -> bool:
+        return weight.bits == 4 and weight.codes.shape[0] % cls.TILE == 0 and Int4BlockMatmul.accepts(weight)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer_ops.q4_tiles_linear(x, self.codes, self.scale_min).to(x.dtype)
+
+
+class Int8TileMatmul:
+    """bfloat16 x [M, K] @ W^T with W as GGUF Q8_0 blocks through the C++ ``q8_0_tiles_linear``
+    (``csrc/bf16_tiles.h``): the 4-bit tile kernel's arithmetic over 8-bit codes (exact in bfloat16),
+    in tiles of 16 output channels, up to 8 rows per unpacked tile. Output in x's dtype."""
+
+    TILE = 16
+
+    def __init__(self, weight: BlockQuantized, layer_ops) -> None:
+        if not self.accepts(weight):
+            raise ValueError("Int8TileMatmul needs 8-bit codes and N a multiple of 16")
+        n, k = weight.codes.shape
+        t, g = n // self.TILE, k // 32
+        # codes [n, k] as [tile, channel i, block g, step p, input of the pair w]: k = 32 g + 2 p + w,
+        # byte j = 2 i + w of (tile, g, p)
+        q = weight.codes.view(t, self.TILE, g, 16, 2).permute(0, 2, 3, 1, 4)
+        self.codes = q.reshape(t, g, 16, 2 * self.TILE).contiguous()
+        self.scales = weight.scale.float().view(t, self.TILE, g).permute(0, 2, 1).contiguous()
+        self.layer_ops = layer_ops
+
+    @classmethod
+    def accepts(cls, weight: BlockQuantized) -> bool:
+        return weight.bits == 8 and weight.codes.shape[0] % cls.TILE == 0
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer_ops.q8_0_tiles_linear(x, self.codes, self.scales).to(x.dtype)
+
+
 class Int8BlockMatmul:
     """x [M, K] @ W^T with W as GGUF Q8_0 blocks, through the C++ layer ops (float32 maths); output in
     x's dtype."""
@@ -148,15 +209,29 @@ class NativePackedMatmul:
         return onednn_linear(x, self.packed, None)
 
 
-def quantized_matmul(weight: BlockQuantized, dtype: torch.dtype, layer_ops, int4_kernel: str = "torch"):
+# KernelPlan.int4_kernel -> the class that runs it (tests check the plan's choice is what runs)
+INT4_MATMULS = {"torch": Int4Matmul, "cpp": Int4BlockMatmul, "tiles": Int4TileMatmul}
+Q8_0_MATMULS = {"cpp": Int8BlockMatmul, "tiles": Int8TileMatmul}
+
+
+def quantized_matmul(weight: BlockQuantized, dtype: torch.dtype, layer_ops, int4_kernel: str = "torch",
+                     q8_0_kernel: str = "cpp"):
     """The small-batch kernel for these blocks, or None when this machine has none for them.
     ``int4_kernel`` (``KernelPlan.int4_kernel``): ``"cpp"`` for our C++ 4-bit kernel (where the C++
-    layer ops built and float16 holds the blocks' scales and minimums), ``"torch"`` for torch's int4
-    one."""
+    layer ops built and float16 holds the blocks' scales and minimums), ``"tiles"`` for our AVX-512
+    BF16 tile kernel, ``"torch"`` for torch's int4 one (also where the chosen one does not apply).
+    ``q8_0_kernel`` (``KernelPlan.q8_0_kernel``): ``"cpp"`` (``q8_0_linear``) or ``"tiles"``. The tile
+    kernels apply to a bfloat16 model, N a multiple of 16, in a build that has them; else the
+    ``cpp`` / ``torch`` kernel runs."""
+    tiles = dtype == torch.bfloat16 and hasattr(layer_ops, "has_bf16_tiles") and layer_ops.has_bf16_tiles()
     if weight.bits == 4:
         if int4_kernel == "cpp" and hasattr(layer_ops, "q4_linear") and Int4BlockMatmul.accepts(weight):
             return Int4BlockMatmul(weight, layer_ops)
+        if int4_kernel == "tiles" and tiles and Int4TileMatmul.accepts(weight):
+            return Int4TileMatmul(weight, layer_ops)
         return Int4Matmul(weight, dtype) if cpu_features.current().int4_matmul else None
+    if q8_0_kernel == "tiles" and tiles and Int8TileMatmul.accepts(weight):
+        return Int8TileMatmul(weight, layer_ops)
     if hasattr(layer_ops, "q8_0_linear"):
         return Int8BlockMatmul(weight, layer_ops)
     return None

@@ -22,6 +22,7 @@
 #include "kernel_abi.h"
 #include "layer_ops.h"
 #include "panel_gemm.h"
+#include "bf16_tiles.h"
 
 namespace {
 
@@ -42,7 +43,7 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed, const st
 // One linear layer, as models/quantized_linear.Linear runs it.
 struct Projection {
   enum Dense : int64_t { kPlain = 0, kPacked = 1, kPackedWidened = 2, kPanelsWidened = 3, kInt8Dequant = 4 };
-  enum Small : int64_t { kNone = 0, kInt4 = 1, kQ8_0 = 2, kQ4 = 3, kInt8 = 4 };
+  enum Small : int64_t { kNone = 0, kInt4 = 1, kQ8_0 = 2, kQ4 = 3, kInt8 = 4, kQ4Tiles = 5, kQ8_0Tiles = 6 };
 
   int64_t dense;
   at::Tensor weight;  // [N, K] (kPlain), oneDNN's packed layout, or float32 panels [ceil(N / 16), K, 16]
@@ -62,7 +63,9 @@ struct Projection {
     TORCH_CHECK(dense >= kPlain && dense <= kInt8Dequant, "unknown dense kernel ", dense);
     TORCH_CHECK(dense != kInt8Dequant || small == kInt8, "the int8 dense path needs the int8 codes and scales");
     TORCH_CHECK(dense != kPanelsWidened || panel_gemm::available(), "this build has no AVX2 panel GEMM");
-    TORCH_CHECK(small >= kNone && small <= kInt8, "unknown small-batch kernel ", small);
+    TORCH_CHECK(small >= kNone && small <= kQ8_0Tiles, "unknown small-batch kernel ", small);
+    TORCH_CHECK((small != kQ4Tiles && small != kQ8_0Tiles) || bf16_tiles::available(),
+                "this build has no AVX-512 BF16 tile kernels");
     if (small != kNone) {
       TORCH_CHECK(small_a.has_value() && small_b.has_value(), "a small-batch kernel needs its two tensors");
       this->small_a = *small_a;
@@ -94,6 +97,12 @@ struct Projection {
       } else if (small == kQ4) {
         RECORD_FUNCTION("pagedllm::q4_linear", std::vector<c10::IValue>());
         y = q4_linear(x, small_a, small_b).to(x.scalar_type());
+      } else if (small == kQ4Tiles) {
+        RECORD_FUNCTION("pagedllm::q4_tiles_linear", std::vector<c10::IValue>());
+        y = bf16_tiles::q4_linear(x, small_a, small_b).to(x.scalar_type());
+      } else if (small == kQ8_0Tiles) {
+        RECORD_FUNCTION("pagedllm::q8_0_tiles_linear", std::vector<c10::IValue>());
+        y = bf16_tiles::q8_0_linear(x, small_a, small_b).to(x.scalar_type());
       } else {
         RECORD_FUNCTION("pagedllm::q8_0_linear", std::vector<c10::IValue>());
         y = q8_0_linear(x, small_a, small_b).to(x.scalar_type());

@@ -1,0 +1,205 @@
+// Weight-only matrix products for bfloat16 rows on CPUs with AVX-512 BF16 dot products (VDPBF16PS),
+// over GGUF's own blocks: 4-bit (Q4_0/Q4_1) and 8-bit (Q8_0). The weights are laid out in tiles of
+// 16 output channels so that one instruction multiplies 16 channels by a pair of inputs (32
+// multiply-adds) and each unpacked tile serves up to 8 rows of x at once: a step of 8 rows costs
+// far less than 8 steps of one (speculative decoding verifies its guesses as such rows). Per tile
+// of channels n0..n0+15 and per 32-weight block g (a tile's blocks are consecutive):
+//   4-bit codes uint8 [N / 16, G, 8, 32]: step s holds inputs 32g + 4s .. 32g + 4s + 3 as two
+//               32-nibble vectors; byte j's low nibble is the code of channel n0 + j / 2 at input
+//               32g + 4s + j % 2, its high nibble at input 32g + 4s + 2 + j % 2 (a pair of inputs
+//               per channel, as VDPBF16PS pairs them);
+//   4-bit scale_min float16 [N / 16, G, 2, 16]: the 16 channels' scales, then their minimums
+//               (GGUF's own float16 values, exact), w = scale * code + minimum;
+//   Q8_0 codes  int8 [N / 16, G, 16, 32]: step p, byte j: channel n0 + j / 2 at input 32g + 2p + j % 2;
+//   Q8_0 scales float32 [N / 16, G, 16], w = scale * code.
+// Arithmetic per row and tile: each block's codes (exact in bfloat16: 4 or 8 bits) dotted with the
+// row's bfloat16 inputs (exact products, float32 sums in two partial sums per block), times the
+// block's scale, plus (4-bit) the minimum times the row's float32 sum over the block. Every row
+// takes this same arithmetic whatever rows are beside it, so a row's result is the same bit for
+// bit for any number of rows (speculative decoding needs a guess's row to equal its own decode
+// step, docs/speculative.md). Bound by models/csrc/layer_ops_cpu.cpp and called by the decoder
+// stack; available() says whether this build has the kernels.
+#pragma once
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <vector>
+
+namespace bf16_tiles {
+
+constexpr int64_t kTile = 16;  // output channels per tile
+constexpr int kMaxRows = 8;    // rows sharing one unpacked tile
+
+inline bool available() {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+typedef int32_t pair_bits __attribute__((may_alias));  // two bfloat16 inputs read as one 32-bit lane
+
+inline __m512bh pair(const uint16_t* x) { return (__m512bh)_mm512_set1_epi32(*reinterpret_cast<const pair_bits*>(x)); }
+
+// R rows of x (bfloat16 bits, row stride K) times 4-bit tile t; xsum [R, G] float32.
+template <int R>
+void q4_rows(const uint16_t* x, const float* xsum, const uint8_t* codes, const uint16_t* scale_min, float* out,
+             int64_t out_stride, int64_t K, int64_t t) {
+  const int64_t G = K / 32;
+  // bfloat16 bits of 0..15, indexed by a code (VPERMW reads each index's low 5 bits)
+  alignas(64) static const uint16_t kCodeBits[32] = {0,      0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,
+                                                     0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170};
+  const __m512i table = _mm512_load_si512(kCodeBits);
+  const __m512i low4 = _mm512_set1_epi16(0x0F);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* c = codes + (t * G + g) * 256;
+    __m512 even[R], odd[R];  // the block's two partial sums: inputs 4s, 4s + 1 and 4s + 2, 4s + 3
+    for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm512_setzero_ps();
+    for (int s = 0; s < 8; ++s) {
+      const __m512i nibbles = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + s * 32)));
+      const __m512bh w0 = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(nibbles, low4), table);
+      const __m512bh w1 = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(nibbles, 4), table);
+      for (int r = 0; r < R; ++r) {
+        const uint16_t* xr = x + r * K + g * 32 + s * 4;
+        even[r] = _mm512_dpbf16_ps(even[r], w0, pair(xr));
+        odd[r] = _mm512_dpbf16_ps(odd[r], w1, pair(xr + 2));
+      }
+    }
+    const uint16_t* sm = scale_min + (t * G + g) * 32;
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sm)));
+    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sm + 16)));
+    for (int r = 0; r < R; ++r) {
+      acc[r] = _mm512_fmadd_ps(_mm512_add_ps(even[r], odd[r]), d, acc[r]);
+      acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[r * G + g]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * out_stride + t * kTile, acc[r]);
+}
+
+// R rows of x (bfloat16 bits, row stride K) times Q8_0 tile t.
+template <int R>
+void q8_0_rows(const uint16_t* x, const int8_t* codes, const float* scales, float* out, int64_t out_stride, int64_t K,
+               int64_t t) {
+  const int64_t G = K / 32;
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    const int8_t* c = codes + (t * G + g) * 512;
+    __m512 even[R], odd[R];  // the block's two partial sums: steps 0, 2, .. and 1, 3, ..
+    for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm512_setzero_ps();
+    for (int p = 0; p < 16; p += 2) {
+      __m512bh w[2];
+      for (int h = 0; h < 2; ++h) {
+        const int8_t* cp = c + (p + h) * 32;
+        const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(cp))));
+        const __m512 hi =
+            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(cp + 16))));
+        w[h] = _mm512_cvtne2ps_pbh(hi, lo);  // exact: |code| <= 128
+      }
+      for (int r = 0; r < R; ++r) {
+        const uint16_t* xr = x + r * K + g * 32 + p * 2;
+        even[r] = _mm512_dpbf16_ps(even[r], w[0], pair(xr));
+        odd[r] = _mm512_dpbf16_ps(odd[r], w[1], pair(xr + 2));
+      }
+    }
+    const __m512 d = _mm512_loadu_ps(scales + (t * G + g) * kTile);
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_add_ps(even[r], odd[r]), d, acc[r]);
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * out_stride + t * kTile, acc[r]);
+}
+
+using Q4Rows = void (*)(const uint16_t*, const float*, const uint8_t*, const uint16_t*, float*, int64_t, int64_t,
+                        int64_t);
+constexpr Q4Rows kQ4Rows[] = {q4_rows<1>, q4_rows<2>, q4_rows<3>, q4_rows<4>,
+                              q4_rows<5>, q4_rows<6>, q4_rows<7>, q4_rows<8>};
+using Q8Rows = void (*)(const uint16_t*, const int8_t*, const float*, float*, int64_t, int64_t, int64_t);
+constexpr Q8Rows kQ8Rows[] = {q8_0_rows<1>, q8_0_rows<2>, q8_0_rows<3>, q8_0_rows<4>,
+                              q8_0_rows<5>, q8_0_rows<6>, q8_0_rows<7>, q8_0_rows<8>};
+#endif
+
+inline void check_x(const torch::Tensor& x) {
+  TORCH_CHECK(available(), "this build has no AVX-512 BF16 tile kernels");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x must be bfloat16 [M, K]");
+  TORCH_CHECK(x.size(1) % 32 == 0, "K must be a multiple of 32");
+}
+
+// x bfloat16 [M, K] @ W^T for W's 4-bit blocks in the tile layout above; returns float32 [M, N].
+inline torch::Tensor q4_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scale_min) {
+  check_x(x);
+  const int64_t M = x.size(0), K = x.size(1), G = K / 32;
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 4 && codes.size(1) == G && codes.size(2) == 8 &&
+                  codes.size(3) == 32,
+              "codes must be uint8 [N / 16, K / 32, 8, 32]");
+  const int64_t T = codes.size(0), N = T * kTile;
+  TORCH_CHECK(scale_min.scalar_type() == at::kHalf && scale_min.dim() == 4 && scale_min.size(0) == T &&
+                  scale_min.size(1) == G && scale_min.size(2) == 2 && scale_min.size(3) == kTile,
+              "scale_min must be float16 [N / 16, K / 32, 2, 16]");
+  codes = codes.contiguous();
+  scale_min = scale_min.contiguous();
+  x = x.contiguous();
+  auto out = torch::empty({M, N}, x.options().dtype(at::kFloat));
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  const uint16_t* xs = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  std::vector<float> xsum(M * G);  // each row's x summed over each block, in float32 (a fixed order)
+  for (int64_t i = 0; i < M * G; ++i) {
+    auto f = [&](int64_t k) { return static_cast<float>(c10::BFloat16(xs[i * 32 + k], c10::BFloat16::from_bits())); };
+    float part[8];
+    for (int j = 0; j < 8; ++j) part[j] = (f(j) + f(j + 8)) + (f(j + 16) + f(j + 24));
+    xsum[i] = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+  }
+  float* os = out.data_ptr<float>();
+  const uint8_t* cs = codes.data_ptr<uint8_t>();
+  const uint16_t* sms = reinterpret_cast<const uint16_t*>(scale_min.data_ptr<at::Half>());
+  at::parallel_for(0, T, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {  // a tile's codes stay in cache across row groups
+      for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
+        const int64_t rows = std::min<int64_t>(kMaxRows, M - m0);
+        kQ4Rows[rows - 1](xs + m0 * K, xsum.data() + m0 * G, cs, sms, os + m0 * N, N, K, t);
+      }
+    }
+  });
+#endif
+  return out;
+}
+
+// x bfloat16 [M, K] @ W^T for W's Q8_0 blocks in the tile layout above; returns float32 [M, N].
+inline torch::Tensor q8_0_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales) {
+  check_x(x);
+  const int64_t M = x.size(0), K = x.size(1), G = K / 32;
+  TORCH_CHECK(codes.scalar_type() == at::kChar && codes.dim() == 4 && codes.size(1) == G && codes.size(2) == 16 &&
+                  codes.size(3) == 32,
+              "codes must be int8 [N / 16, K / 32, 16, 32]");
+  const int64_t T = codes.size(0), N = T * kTile;
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.dim() == 3 && scales.size(0) == T &&
+                  scales.size(1) == G && scales.size(2) == kTile,
+              "scales must be float32 [N / 16, K / 32, 16]");
+  codes = codes.contiguous();
+  scales = scales.contiguous();
+  x = x.contiguous();
+  auto out = torch::empty({M, N}, x.options().dtype(at::kFloat));
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  const uint16_t* xs = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  float* os = out.data_ptr<float>();
+  const int8_t* cs = codes.data_ptr<int8_t>();
+  const float* ss = scales.data_ptr<float>();
+  at::parallel_for(0, T, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
+        const int64_t rows = std::min<int64_t>(kMaxRows, M - m0);
+        kQ8Rows[rows - 1](xs + m0 * K, cs, ss, os + m0 * N, N, K, t);
+      }
+    }
+  });
+#endif
+  return out;
+}
+
+}  // namespace bf16_tiles
