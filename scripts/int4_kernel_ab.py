@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 
-import pagedllm.engine.engine as engine_module
+import pagedllm.engine.builder as engine_module
 from pagedllm.cli import main
 
 kernel, rows, batch = sys.argv[1], int(sys.argv[2]), sys.argv[3]

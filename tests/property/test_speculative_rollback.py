@@ -180,3 +180,32 @@ def test_a_rejected_guess_returns_its_blocks_and_never_enters_the_prefix_cache()
     assert sched.kv.prefix_cache.get(table.blocks[0].block_hash) is table.blocks[0]  # verified, full: cached
     assert len(sched.kv.prefix_cache) == 1  # blocks 1 and 2 were full of rejected guesses: never cached
     sched.kv.check_invariants()
+
+
+def test_no_guesses_in_a_step_that_prefills_or_could_admit_a_prompt():
+    """Guesses take step budget: beside a prefill they would shorten its chunk (the dense GEMMs round
+    a chunk's rows by its length: outputs would differ from plain decoding's). The drafter is asked
+    only in steps where every request decodes and none waits."""
+    sched, _ = make(num_blocks=32, block_size=BS, budget=16)
+    model = VerifyingModel(BS)
+    asked = []
+    drafter = sched.drafter = RandomDrafter(0)
+    drafter.plan_step = lambda decoding, rows: asked.append(len(decoding)) or {
+        r.request_id: [50] * min(3, most) for r, most in decoding}
+    params = SamplingParams(max_tokens=30)
+    a = Request("a", list(range(10, 17)), params, max_tokens=30, eos_token_ids=frozenset({2}))
+    sched.add(a)
+    out = sched.schedule()
+    sched.update(out, model.run(out))  # a's prompt
+    b = Request("b", list(range(100, 140)), params, max_tokens=30, eos_token_ids=frozenset({2}))
+    sched.add(b)
+    chunks = []
+    while b.num_computed_tokens < b.num_prompt_tokens:  # b waits, then prefills in chunks beside a's decode
+        out = sched.schedule()
+        assert not any(c.draft_token_ids for c in out.chunks)
+        chunks += [len(c.token_ids) for c in out.chunks if c.request_id == "b"]
+        sched.update(out, model.run(out))
+    assert chunks == [15, 15, 10] and asked == []  # each step's budget less a's one token: no guess took any
+    out = sched.schedule()  # both decode now: the drafter is asked
+    assert asked == [2] and all(len(c.draft_token_ids) == 3 for c in out.chunks)
+    sched.update(out, model.run(out))

@@ -80,7 +80,7 @@ def main(args) -> dict:
     cpp = getattr(ops, "ops", None)
     has_tiles = cpp is not None and cpp.has_bf16_tiles()
     if not has_tiles:
-        report["not_timed"]["gguf_blocks_tiles"] = "the C++ layer ops have no AVX-512 BF16 4-bit tile kernel here"
+        report["not_timed"]["gguf_blocks_tiles"] = "the C++ layer ops have no AVX-512 BF16 tile kernels here"
     has_panels = cpp is not None and cpp.has_panel_linear()
     if not has_panels:
         report["not_timed"]["panels_fp32"] = "the C++ layer ops have no AVX2 panel GEMM here"
@@ -98,8 +98,8 @@ def main(args) -> dict:
         kernels = {"gguf_blocks": quantized_matmul(blocks, torch.bfloat16, ops)}  # torch's int4, or our Q8_0
         if blocks.bits == 4 and hasattr(ops, "q4_linear"):
             kernels["gguf_blocks_cpp"] = quantized_matmul(blocks, torch.bfloat16, ops, "cpp")
-        if blocks.bits == 4 and has_tiles:
-            kernels["gguf_blocks_tiles"] = quantized_matmul(blocks, torch.bfloat16, ops, "tiles")
+        if has_tiles:  # our AVX-512 BF16 tile kernels, 4-bit and Q8_0
+            kernels["gguf_blocks_tiles"] = quantized_matmul(blocks, torch.bfloat16, ops, "tiles", "tiles")
         int8 = Int8ChannelMatmul.quantize(dense)  # quantization="int8": its kernel, and its path above int8_rows
         kernels["int8_channel"] = int8
         kernels["int8_dequant"] = partial(int8.dense, bias=None)

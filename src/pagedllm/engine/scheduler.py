@@ -150,7 +150,9 @@ class Scheduler:
         self.kv.begin_step()
 
         drafter = self.drafter
-        guesses = self._plan_guesses(budget) if drafter is not None and drafter.may_guess(len(self.running)) else {}
+        guesses = {}
+        if drafter is not None and drafter.may_guess(len(self.running)) and self._only_decoding():
+            guesses = self._plan_guesses(budget)
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -225,6 +227,15 @@ class Scheduler:
         reclaimed = sum(1 for b in cached if b.ref_count == 0)  # free cached blocks a hit takes back
         need = self.kv.blocks_for_tokens(req.num_tokens) - len(cached)
         return need + reclaimed <= self.kv.num_free_blocks
+
+    def _only_decoding(self) -> bool:
+        """Whether every request of this step decodes: none prefills, waits or is swapped out. Only
+        then may it guess: guesses take step budget and lookahead blocks, so beside a prompt they
+        would move its chunk boundaries (or its admission), and a chunk's length changes how the
+        dense GEMMs round its rows: outputs would no longer equal plain decoding's."""
+        if self.waiting or self.swapped:
+            return False
+        return all(req.num_tokens - req.num_computed_tokens <= 1 for req in self.running)
 
     def _plan_guesses(self, budget: int) -> dict[str, list[int]]:
         """The drafter's guesses for this step's decoding requests (speculative decoding), at most
