@@ -14,6 +14,8 @@ gives the step the R extra rows, best-valued guesses first, that maximise the ex
 per unit of cost, ``(n + sum of their values) / step_cost(n + R)`` for n decoding requests, and
 none unless that beats ``n / step_cost(n)`` by ``MIN_GAIN``. So it guesses nothing:
 - in a step with more than ``disable_by_batch_size`` running requests;
+- in a step where a request prefills, waits or is swapped out: the scheduler does not ask
+  (guesses would move a prompt's chunk boundaries, ``Scheduler._only_decoding``);
 - for a request whose guesses are mostly rejected (its rate decays towards 0; after
   ``PROBE_INTERVAL`` steps without guesses it is reset to the prior, to notice text that turns
   repetitive);

@@ -22,47 +22,100 @@ last token's own suffixes, whose only continuation would be the unknown next tok
 
 from __future__ import annotations
 
+from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 
 CATCH_UP_PER_GUESS = 1  # queued outputs added to the global tree per guess made
 
 
-class _Node:
-    __slots__ = ("children", "count")
-
-    def __init__(self) -> None:
-        self.children: dict[int, _Node] = {}
-        self.count = 0
-
-
 class SuffixTree:
-    """Counted paths of every substring (at most ``max_depth`` tokens) of the sequences added."""
+    """Counted paths of every substring (at most ``max_depth`` tokens) of the sequences added.
+
+    Nodes are integer ids into flat arrays (count, first and last child, next sibling, token) and
+    edges one dict of ints keyed by ``parent * TOKEN_SPAN + token``: containers of plain ints only,
+    which Python's cyclic garbage collector does not track. (With a Python object per node, the
+    global tree's millions of nodes made every full collection walk them: 0.45 s per collection
+    at 800,000 nodes, measured.) Children keep their insertion order (a tie goes to the first)."""
+
+    TOKEN_SPAN = 1 << 32  # token ids are below this
+    root = 0
 
     def __init__(self, max_depth: int) -> None:
         self.max_depth = max_depth
-        self.root = _Node()
+        self._edges: dict[int, int] = {}
+        self._count = array("q", [0])
+        self._first = array("q", [-1])
+        self._last = array("q", [-1])
+        self._next = array("q", [-1])
+        self._token = array("q", [-1])
+        self._free = array("q")
         self.num_nodes = 0
 
+    def count(self, node: int) -> int:
+        return self._count[node]
+
+    def children(self, node: int) -> dict[int, int]:
+        """token -> child, in insertion order."""
+        out, child = {}, self._first[node]
+        while child != -1:
+            out[self._token[child]] = child
+            child = self._next[child]
+        return out
+
+    def _new_child(self, parent: int, token: int) -> int:
+        if self._free:
+            node = self._free.pop()
+            self._count[node], self._first[node], self._last[node], self._next[node] = 0, -1, -1, -1
+            self._token[node] = token
+        else:
+            node = len(self._count)
+            for column, value in ((self._count, 0), (self._first, -1), (self._last, -1), (self._next, -1),
+                                  (self._token, token)):
+                column.append(value)
+        if self._last[parent] == -1:
+            self._first[parent] = node
+        else:
+            self._next[self._last[parent]] = node
+        self._last[parent] = node
+        self._edges[parent * self.TOKEN_SPAN + token] = node
+        self.num_nodes += 1
+        return node
+
+    def _unlink(self, parent: int, node: int) -> None:
+        prev, cur = -1, self._first[parent]
+        while cur != node:
+            prev, cur = cur, self._next[cur]
+        following = self._next[node]
+        if prev == -1:
+            self._first[parent] = following
+        else:
+            self._next[prev] = following
+        if self._last[parent] == node:
+            self._last[parent] = prev
+        del self._edges[parent * self.TOKEN_SPAN + self._token[node]]
+        self._free.append(node)  # its own children leave in the same removal (their counts reach 0)
+        self.num_nodes -= 1
+
     def add(self, token_ids: Sequence[int], start: int = 0, end: int | None = None,
-            active: list[_Node] | None = None) -> list[_Node]:
+            active: list[int] | None = None) -> list[int]:
         """Count the substrings of ``token_ids`` ending at positions ``start .. end - 1``. ``active``:
         what the call that added the tokens before ``start`` returned (the nodes of the substrings
         ending at ``start - 1``, longest first), so a sequence added in pieces counts as if added at
         once; returns the same for ``end - 1``. O(``max_depth``) per token."""
         end = len(token_ids) if end is None else end
         active = list(active or [])
+        edges, count, span = self._edges, self._count, self.TOKEN_SPAN
         for p in range(start, end):
             t = token_ids[p]
             if len(active) >= self.max_depth:  # a substring may not grow past max_depth tokens
                 active = active[len(active) - self.max_depth + 1:]
             grown = []
             for node in (*active, self.root):
-                child = node.children.get(t)
+                child = edges.get(node * span + t)
                 if child is None:
-                    child = node.children[t] = _Node()
-                    self.num_nodes += 1
-                child.count += 1
+                    child = self._new_child(node, t)
+                count[child] += 1
                 grown.append(child)
             active = grown
         return active
@@ -70,28 +123,29 @@ class SuffixTree:
     def remove(self, token_ids: Sequence[int]) -> None:
         """Undo ``add(token_ids)``: each substring's count less one; a node at zero leaves its parent
         (its descendants reach zero too, and leave it, as the walk goes on)."""
-        active: list[_Node] = []
+        edges, count, span = self._edges, self._count, self.TOKEN_SPAN
+        active: list[int] = []
         for t in token_ids:
             if len(active) >= self.max_depth:
                 active = active[len(active) - self.max_depth + 1:]
             grown = []
             for node in (*active, self.root):
-                child = node.children[t]
-                child.count -= 1
-                if child.count == 0:
-                    del node.children[t]
-                    self.num_nodes -= 1
+                child = edges[node * span + t]
+                count[child] -= 1
+                if count[child] == 0:
+                    self._unlink(node, child)
                 grown.append(child)
             active = grown
 
-    def match(self, context: Sequence[int], longest: int) -> tuple[_Node | None, int]:
+    def match(self, context: Sequence[int], longest: int) -> tuple[int | None, int]:
         """The node of the longest suffix of ``context`` of at most ``longest`` tokens that is a path,
         and its length; (None, 0) if not even the last token is."""
         longest = min(len(context), longest)
+        edges, span = self._edges, self.TOKEN_SPAN
         for m in range(longest, 0, -1):
             node = self.root
             for t in context[len(context) - m:]:
-                node = node.children.get(t)
+                node = edges.get(node * span + t)
                 if node is None:
                     break
             else:
@@ -106,16 +160,21 @@ class SuffixTree:
         if node is None:
             return [], 0.0
         limit = min(max_len, int(max_spec_factor * m), self.max_depth - m)
+        count, first, following = self._count, self._first, self._next
         out: list[int] = []
         prob, score = 1.0, 0.0
-        while len(out) < limit and node.children:
-            token, child = max(node.children.items(), key=lambda kv: kv[1].count)
-            prob *= child.count / node.count
+        while len(out) < limit and first[node] != -1:
+            best, child = first[node], following[first[node]]
+            while child != -1:  # the most frequent child; the first of equals
+                if count[child] > count[best]:
+                    best = child
+                child = following[child]
+            prob *= count[best] / count[node]
             if prob < min_token_prob:
                 break
-            out.append(token)
+            out.append(self._token[best])
             score += prob
-            node = child
+            node = best
         return out, score
 
 
@@ -127,7 +186,7 @@ class _RequestTree:
     def __init__(self, tree: SuffixTree) -> None:
         self.tree = tree
         self.added = 0
-        self.active: list[_Node] = []
+        self.active: list[int] = []
 
     def extend(self, token_ids: Sequence[int], end: int) -> None:
         if end > self.added:
