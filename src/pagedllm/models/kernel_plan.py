@@ -117,8 +117,8 @@ def plan_kernels(cpu: CpuFeatures, dtype: torch.dtype) -> KernelPlan:
     else:  # narrower (neon, sve, baseline): torch's 4-bit kernel, the AVX2 crossovers otherwise (untested)
         int4_rows, q8_0_rows, native_head = 8, 16, 0
     # our C++ 4-bit kernel has an AVX2 body that beats torch's int4 kernel there; with AVX-512 BF16
-    # dot products, our tile kernel beats it for bfloat16 models (2.1x at 1 row, 2.1x at 8); elsewhere torch's
-    # (and its Q8_0 twin beats our float32 Q8_0 kernel: the 49,152-row head at 8 rows in 1.7 ms, not 3.3)
+    # dot products, our tile kernel beats it for bfloat16 models, and its Q8_0 twin our float32 Q8_0
+    # kernel (bench matmul figures: docs/design.md, "Figures behind the code's choices"); elsewhere torch's
     tiles = cpu.family == "avx512_bf16" and dtype == torch.bfloat16 and not widened
     int4_kernel = "cpp" if cpu.family == "avx2" else "tiles" if tiles else "torch"
     # AMX tiles run oneDNN's bf16 GEMM at half speed below ~2,048 rows for some of the projections
