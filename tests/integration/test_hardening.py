@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from pagedllm import LLM, BeamSearchParams, SamplingParams
-from pagedllm.engine.sampling_params import TOP_K_MAX, RequestOutputKind
+from pagedllm.engine.sampling_params import N_MAX, TOP_K_MAX, RequestOutputKind
 from pagedllm.errors import InvalidRequest, RequestTooLong
 from tests.integration.test_engine import assert_all_free
 
@@ -56,6 +56,19 @@ def test_text_that_is_not_utf8_is_rejected_when_added_and_the_engine_continues(s
     out = short_ctx.generate({"prompt_token_ids": [7] * 20, "cache_salt": "tenant"},
                              SamplingParams(max_tokens=2, temperature=0, ignore_eos=True), use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 2 and out.outputs[0].finish_reason == "length"
+    assert_all_free(short_ctx)
+
+
+def test_n_is_bounded_so_a_huge_one_is_refused_at_once_not_built_sample_by_sample(short_ctx):
+    """The engine makes one request per sample when a prompt is added: n = 2**40 used to hang the
+    caller building them; it is refused by SamplingParams, and a prompt of N_MAX samples runs."""
+    with pytest.raises(ValueError, match=rf"n must be an integer in 1\.\.{N_MAX} \(parallel samples"):
+        SamplingParams(n=2**40)
+    with pytest.raises(ValueError, match="n must be an integer"):
+        SamplingParams(n=N_MAX + 1)
+    out = short_ctx.generate({"prompt_token_ids": [7] * 4}, SamplingParams(n=N_MAX, max_tokens=1, temperature=1.0,
+                                                                             seed=0), use_tqdm=False)[0]
+    assert len(out.outputs) == N_MAX and all(len(c.token_ids) == 1 for c in out.outputs)
     assert_all_free(short_ctx)
 
 

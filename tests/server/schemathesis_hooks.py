@@ -34,6 +34,7 @@ CROSS_FIELD_MESSAGES = re.compile("|".join([
     r"^tool_choice: ",                       # needs tools; a named function among them; no response_format beside
     r"tool_calls: arguments must be a JSON object",                    # a history call's arguments
     r"^previous_response_id: no stored response",                      # ids come from earlier responses
+    r"its text tokenizes to no token",                                 # the tokenizer drops some characters
     # transformers' template: a last message with no text to continue, or not found in the render
     r"^continue_final_message is set but (we could not find any text|the final message)",
 ]))

@@ -72,6 +72,23 @@ def test_bad_fields_are_400_naming_the_field(tiny_app, route, body, param):
     assert_all_free(ctx)
 
 
+def test_a_text_the_tokenizer_drops_is_a_400_told_apart_from_an_empty_prompt(tiny_app):
+    """The tokenizer drops some control characters ("\\u001d"): such a prompt, valid by the schema,
+    has no token. Its 400 says so, which the schema fuzzer's adapted check accepts as a rule no
+    JSON Schema can state; a truly empty prompt keeps its own message (the schema's minimum)."""
+    from tests.server.schemathesis_hooks import broke_a_cross_field_rule
+
+    client, ctx = tiny_app
+    r = client.post("/v1/completions", json={**COMPLETION, "prompt": "\u001d"})
+    error = assert_openai_error(r, 400)
+    assert "its text tokenizes to no token" in error["message"]
+    assert broke_a_cross_field_rule(r.status_code, r.content)
+    empty = client.post("/v1/completions", json={**COMPLETION, "prompt": []})
+    assert not broke_a_cross_field_rule(empty.status_code, empty.content)
+    assert client.post("/v1/completions", json=COMPLETION).status_code == 200
+    assert_all_free(ctx)
+
+
 def test_a_bad_value_names_pydantics_error_type_as_vllm_does(tiny_app):
     """vLLM's own entrypoint test (test_long_seed) looks for the error type in the message."""
     client, _ = tiny_app

@@ -66,6 +66,9 @@ class InputProcessor:
             raise InvalidRequest(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
         else:
             ids = self.token_ids(prompt)
+        if not ids and text:  # a rule of the tokenizer (it drops some control characters), not of a schema
+            raise InvalidRequest("the prompt is empty: its text tokenizes to no token (the tokenizer drops it); "
+                                 "it must have at least one")
         if not ids:
             raise InvalidRequest("the prompt is empty: it must have at least one token")
         return text, ids, salt

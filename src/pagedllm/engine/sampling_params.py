@@ -64,6 +64,10 @@ REPETITION_MIN, REPETITION_MAX = 1e-3, 1e3
 # the sampler holds top_k in an int64 tensor and clamps it to the vocabulary: bounded to int32 so any
 # accepted value fits (a larger one would fail the step of every request batched with it)
 TOP_K_MAX = 2**31 - 1
+# the most parallel samples of one prompt: the engine makes a request per sample when the prompt is
+# added, so an unbounded n (2**40) would hang the caller building them; the server caps n lower (128,
+# as OpenAI)
+N_MAX = 4096
 
 
 def _token_id(v: object, name: str) -> int:
@@ -183,8 +187,8 @@ class SamplingParams:
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        if not _is_int(self.n) or self.n < 1:
-            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
+        if not _is_int(self.n) or not 1 <= self.n <= N_MAX:
+            raise ValueError(f"n must be an integer in 1..{N_MAX} (parallel samples of the prompt), got {self.n!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if not _is_number(v) or not -2.0 <= v <= 2.0:

@@ -16,7 +16,8 @@ What no JSON Schema can state is checked by the server and answered with a 400 n
 rules across fields (the prompt and ``max_tokens`` together within ``max_model_len``, ``min_tokens``
 at most ``max_tokens``, exactly one of ``prompt`` or ``messages`` on ``/tokenize``, prompts x ``n``
 within the admission capacity, ``stream_options`` only with ``stream: true``), ``logit_bias`` keys
-below the vocabulary size, and the validity of a structured-output constraint (a JSON schema, regex
+below the vocabulary size, a text prompt that tokenizes to at least one token (the tokenizer drops
+some control characters), and the validity of a structured-output constraint (a JSON schema, regex
 or grammar). docs/api.md lists them.
 """
 
