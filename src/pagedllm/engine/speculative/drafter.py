@@ -39,10 +39,10 @@ from pagedllm.engine.speculative.suffix import SuffixProposer
 
 # The cost of a step of R rows (index R - 1) relative to one of a single row: the default model
 # (SmolLM2-135M, GGUF Q4_1, bf16) on an AMD EPYC with AVX-512 BF16, whose BF16 tile kernels
-# (csrc/bf16_tiles.h) take up to 8 rows per pass over the weights, then dense bf16 GEMMs; the mean
-# of two runs of `python scripts/spec_step_cost.py --max-rows 16 --batches 1` (docs/speculative.md).
+# (csrc/bf16_tiles.h) run every step of up to 16 rows (8 rows per pass over a tile); the median of
+# four runs of `python scripts/spec_step_cost.py --max-rows 16 --batches 1` (docs/speculative.md).
 # Past the table each row adds what the last one did.
-STEP_COST = (1.0, 1.07, 1.26, 1.43, 1.67, 1.92, 2.15, 2.44, 3.81, 4.02, 4.14, 4.43, 4.71, 4.91, 5.03, 5.16)
+STEP_COST = (1.0, 1.13, 1.29, 1.35, 1.58, 1.78, 2.15, 2.26, 2.73, 3.01, 3.21, 3.27, 3.64, 3.78, 3.98, 4.28)
 PRIOR_ACCEPTANCE = 0.7   # a request's acceptance rate before any guess of its own was verified
 ACCEPTANCE_DECAY = 0.7   # weight of the past in the exponential average (per verified guess)
 PROBE_INTERVAL = 16      # steps without guesses after which a request's rate returns to the prior
