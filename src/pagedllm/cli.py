@@ -59,6 +59,8 @@ def stream(llm, prompt, params, out=sys.stdout) -> dict:
 
     engine = llm.engine
     params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
+    drafter = engine.scheduler.drafter
+    spec_before = drafter.stats.as_dict() if drafter is not None else None
     t0 = time.perf_counter()
     first = None
     peak = 0
@@ -74,15 +76,29 @@ def stream(llm, prompt, params, out=sys.stdout) -> dict:
         if o.finished:
             final = o
     dt = time.perf_counter() - t0
-    return {"tokens": tokens, "seconds": dt, "ttft": (first - t0) if first else None, "text": "".join(text),
-            "finish_reason": final.outputs[0].finish_reason, "peak_blocks": peak,
-            "num_blocks": engine.kv_manager.num_blocks, "prompt_tokens": len(final.prompt_token_ids)}
+    summary = {"tokens": tokens, "seconds": dt, "ttft": (first - t0) if first else None, "text": "".join(text),
+               "finish_reason": final.outputs[0].finish_reason, "peak_blocks": peak,
+               "num_blocks": engine.kv_manager.num_blocks, "prompt_tokens": len(final.prompt_token_ids)}
+    if spec_before is not None:  # this request's verifications: the engine's counters, after less before
+        after = drafter.stats.as_dict()
+        summary["speculation"] = {k: after[k] - spec_before[k] for k in
+                                  ("spec_decode_num_drafts", "spec_decode_num_draft_tokens",
+                                   "spec_decode_num_accepted_tokens")}
+    return summary
 
 
 def summary_line(s: dict) -> str:
-    return (f"[{s['tokens']} tokens in {s['seconds']:.2f}s = {s['tokens'] / s['seconds']:.1f} tok/s, "
+    line = (f"[{s['tokens']} tokens in {s['seconds']:.2f}s = {s['tokens'] / s['seconds']:.1f} tok/s, "
             f"first token {s['ttft'] * 1000:.0f} ms, prompt {s['prompt_tokens']} tokens, "
-            f"KV blocks used {s['peak_blocks']}/{s['num_blocks']} (peak), finish: {s['finish_reason']}]")
+            f"KV blocks used {s['peak_blocks']}/{s['num_blocks']} (peak), finish: {s['finish_reason']}")
+    spec = s.get("speculation")
+    if spec is not None:
+        drafts, guessed, accepted = (spec["spec_decode_num_drafts"], spec["spec_decode_num_draft_tokens"],
+                                     spec["spec_decode_num_accepted_tokens"])
+        line += f", speculation: {drafts} verifying steps, {accepted} of {guessed} guessed tokens accepted"
+        if drafts:
+            line += f" ({accepted / guessed:.0%}), {1 + accepted / drafts:.2f} tokens per verifying step"
+    return line + "]"
 
 
 def cmd_generate(args) -> int:

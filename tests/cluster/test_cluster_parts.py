@@ -108,3 +108,33 @@ def test_the_event_feed_sleeps_while_it_watches_no_replica():
     finally:
         feed.close()
     assert busy < 0.3, f"the idle feed kept {busy:.0%} of a core busy"
+
+
+def test_cluster_health_is_503_while_no_replica_reports(tmp_path, monkeypatch):
+    """The ingress runs on while every replica is dead or being replaced: its /health says so
+    (it said ok with no replica at all), and ok again once one reports."""
+    from starlette.testclient import TestClient
+
+    from pagedllm.cluster.ingress import ClusterContext
+    from pagedllm.engine.async_engine import AsyncEngine
+    from pagedllm.engine.builder import build_engine
+    from pagedllm.server.app import build_app
+    from pagedllm.server.metrics import ServerMetrics
+    from tests.conftest import make_tiny_checkpoint
+
+    folder = make_tiny_checkpoint(tmp_path / "tiny", "llama", seed=2, with_tokenizer=True)
+    engine = AsyncEngine(build_engine(model=folder, dtype="float32", num_kv_blocks=16, block_size=8, max_num_seqs=2))
+    now = [100.0]
+    monkeypatch.setattr("pagedllm.cluster.ingress.time.monotonic", lambda: now[0])
+    ctx = ClusterContext(engine, "tiny", 4, ServerMetrics(), board=ReplicaBoard(ttl_s=5))
+    try:
+        with TestClient(build_app(ctx)) as client:
+            r = client.get("/health")
+            assert r.status_code == 503 and r.json() == {
+                "status": "error", "error": "no engine replica has reported in the last 5 s: none is serving"}
+            ctx.board.put("replica-a", {"metrics": "", "dashboard": {}})
+            assert client.get("/health").json() == {"status": "ok"}
+            now[0] += 6  # silent past the time to live
+            assert client.get("/health").status_code == 503
+    finally:
+        engine.shutdown()

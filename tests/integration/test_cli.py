@@ -30,6 +30,20 @@ def test_generate_streams_text_and_prints_a_summary():
     assert "finish: length" in summary
 
 
+def test_generate_with_speculation_says_what_the_guesses_gave(capsys):
+    """The summary line counts this request's verifying steps and accepted guesses (it had none)."""
+    prompt = " ".join(["one two three four five six"] * 6)
+    assert cli_main(["generate", prompt, "--max-tokens", "24", "--dtype", "float32", "--ignore-eos",
+                     "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}']) == 0
+    summary = capsys.readouterr().out.strip().splitlines()[-1]
+    head, spec = summary.split(", speculation: ")
+    assert head.startswith("[24 tokens in")
+    steps, accepted, guessed = (int(w) for w in (spec.split()[0], spec.split()[3], spec.split()[5]))
+    assert spec.startswith(f"{steps} verifying steps, {accepted} of {guessed} guessed tokens accepted")
+    assert steps > 0 and 0 < accepted <= guessed <= 4 * steps
+    assert spec.endswith(f"({accepted / guessed:.0%}), {1 + accepted / steps:.2f} tokens per verifying step]")
+
+
 def test_chat_reads_turns_from_stdin_and_keeps_history():
     r = run_cli("chat", "--max-tokens", "12", "--dtype", "float32", "--system", "You are terse.",
                 stdin="My name is Ada.\n/history\n/reset\nWhat is 2+2?\n/history\n/exit\n")

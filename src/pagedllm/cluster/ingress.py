@@ -10,6 +10,7 @@ What differs from one server:
   replica last reported it; the page draws one pool per replica.
 - ``GET /cluster``: the router's view (per replica: cached blocks it knows of, exact or
   approximate, load, requests routed) and its recent decisions with their reasons and loads.
+- ``/health``: 503 also while no replica has reported for ``REPORT_TTL_S``.
 A replica silent for ``REPORT_TTL_S`` (dead, or scaled away) leaves the reports.
 """
 
@@ -100,6 +101,14 @@ class ClusterContext(ServerContext):
     board: ReplicaBoard = field(default_factory=ReplicaBoard)
     router_key: tuple[str, str] = ("", "")  # (application, engine deployment): its router in this process
     metrics_prefix: str = "pagedllm"
+
+    def health_problem(self) -> str | None:
+        """The ingress's own engine face, then the replicas: 503 while none has reported within
+        the board's time to live (all dead or being replaced; Ray Serve keeps at least one)."""
+        problem = super().health_problem()
+        if problem is None and not self.board.live():
+            problem = f"no engine replica has reported in the last {self.board.ttl_s:g} s: none is serving"
+        return problem
 
     def router_view(self) -> dict:
         router = live_router(*self.router_key)

@@ -24,7 +24,7 @@ from pagedllm.errors import InvalidRequest
 from pagedllm.server.chat import create_batch_chat_completion, create_chat_completion
 from pagedllm.server.completions import create_completion
 from pagedllm.server.dashboard import install_dashboard
-from pagedllm.server.errors import ENGINE_DEAD, OpenAIError, install_error_handlers
+from pagedllm.server.errors import OpenAIError, install_error_handlers
 from pagedllm.server.openapi import install_openapi
 from pagedllm.server.protocol import (
     BatchChatCompletionRequest,
@@ -301,9 +301,9 @@ def build_app(ctx: ServerContext, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) 
 
     @app.get("/health")
     async def health():
-        if not ctx.engine.healthy:
-            # never the exception's text: it may quote a request's input
-            return JSONResponse({"status": "error", "error": ENGINE_DEAD}, status_code=503)
+        problem = ctx.health_problem()
+        if problem is not None:
+            return JSONResponse({"status": "error", "error": problem}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/version")

@@ -27,7 +27,7 @@ from pagedllm.engine.sampling_params import SamplingParams, logprobs_count
 from pagedllm.engine.structured_output import GRAMMAR_REJECTED
 from pagedllm.errors import InvalidRequest, require_utf8
 from pagedllm.server.dashboard_state import dashboard_state
-from pagedllm.server.errors import OpenAIError, as_openai_error
+from pagedllm.server.errors import ENGINE_DEAD, OpenAIError, as_openai_error
 from pagedllm.server.limits import ServerLimits
 from pagedllm.server.metrics import ServerMetrics, engine_snapshot
 
@@ -61,6 +61,11 @@ class ServerContext:
     @property
     def tokenizer(self):
         return self.engine.engine.tokenizer
+
+    def health_problem(self) -> str | None:
+        """Why ``/health`` is 503, or None: here, an engine that has stopped (never the exception's
+        text: it may quote a request's input)."""
+        return None if self.engine.healthy else ENGINE_DEAD
 
     def check_model(self, name: str | None) -> None:
         if name is not None:
