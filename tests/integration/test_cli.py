@@ -240,3 +240,21 @@ def test_bench_step_timers_count_only_inside_their_block():
     inside = bucket[0]
     assert inside > 0 and "run" not in vars(op)  # the class's method again: no wrapper left behind
     assert op.run(2) == 3 and bucket[0] == inside
+
+
+def test_bench_step_counts_every_matmul_kernel_of_ours_as_matmul():
+    """Each of our C++ matmul kernels, as the decoder stack names it for the profiler and as the
+    layer ops expose it to Python, is a matmul in bench step's split (the Q8_0 tile kernel of the LM
+    head was counted as an other op in the stack and went untimed from Python)."""
+    import re
+    from pathlib import Path
+
+    from pagedllm.bench.step_profile import CPP_MATMULS, MATMUL_OPS
+    from pagedllm.models.layer_ops import CpuLayerOps
+
+    source = (Path(__file__).parents[2] / "src/pagedllm/models/csrc/decoder_stack_cpu.cpp").read_text()
+    recorded = set(re.findall(r'RECORD_FUNCTION\("(pagedllm::\w+_linear)"', source))
+    assert {"pagedllm::q4_tiles_linear", "pagedllm::q8_0_tiles_linear"} <= recorded
+    assert recorded <= set(MATMUL_OPS)
+    exposed = {name for name in vars(CpuLayerOps) if name.endswith("_linear")}
+    assert "q8_0_tiles_linear" in exposed and exposed <= set(CPP_MATMULS)

@@ -25,6 +25,10 @@ from pagedllm.bench.timers import time_calls
 
 ROUNDS = 4  # alternations of plain and profiled steps
 STACK_ATTENTION = "pagedllm::rope_store_attend"  # the C++ decoder stack's RECORD_FUNCTION names: pagedllm::*
+# our C++ matmul kernels (layer ops): timed when Python calls them, pagedllm::NAME records when the stack does
+CPP_MATMULS = ("q8_0_linear", "q4_linear", "q4_tiles_linear", "q8_0_tiles_linear", "panel_linear")
+MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_weight_int4pack_mm_for_cpu",
+              "mkldnn::_linear_pointwise", *(f"pagedllm::{name}" for name in CPP_MATMULS))
 
 
 @contextmanager
@@ -63,7 +67,7 @@ def main(args) -> dict:
     # installed for the profiled blocks only (their own cost would otherwise land in the plain steps)
     op_timers = [(backend, "rope_store_attend" if backend.fuses_rope else "store_and_attend", attention)]
     if hasattr(layer_ops, "q8_0_linear"):
-        op_timers += [(layer_ops, name, cpp_matmul) for name in ("q8_0_linear", "q4_linear", "q4_tiles_linear")]
+        op_timers += [(layer_ops, name, cpp_matmul) for name in CPP_MATMULS if hasattr(layer_ops, name)]
         op_timers += [(layer_ops, name, cpp_other) for name in ("rms_norm", "add_rms_norm", "silu_mul")]
     # the plain blocks time the model's forward and LM head: what the step spends outside them
     # (scheduler, runner, sampler, outputs) needs no profiler
@@ -94,9 +98,7 @@ def main(args) -> dict:
     n = per_round * ROUNDS
     total, plain = profiled_s / n, plain_s / n
     ops = {k: v / n for k, v in ops.items()}
-    matmul_ops = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_weight_int4pack_mm_for_cpu",
-                  "mkldnn::_linear_pointwise", "pagedllm::q8_0_linear", "pagedllm::q4_linear",
-                  "pagedllm::q4_tiles_linear")
+    matmul_ops = MATMUL_OPS
     matmul = sum(v for k, v in ops.items() if k in matmul_ops) + timed["cpp_matmul"] / n
     # the C++ decoder stack (models/decoder_stack.py) calls our ops from C++, named for the profiler
     stack_attention = ops.get(STACK_ATTENTION, 0.0)
