@@ -25,6 +25,24 @@ Variants (V is quantized as ``row15`` wherever a variant names only K):
   values of K. Free in a kernel: softmax ignores ``q . mu``, the same for every key of a query.
 
     .venv/bin/python scripts/int4_variants.py --full center center_g32
+
+Session 29 (docs/kv_quantization.md, "Session 29"):
+
+- ``grid15``: K and V coded on 15 uneven levels (``lloyd_grid``: Lloyd-Max for Gaussian rows over
+  their absmax), one scale per row; what int4 now stores;
+- ``sinkN``: the keys of positions below N kept in float, the rest ``row15``;
+- ``prerope_center[_grid][_g32]``: each key minus its layer's and KV head's mean key *before*
+  RoPE (stored ``RoPE_p(k - mu)``, read back plus ``RoPE_p(mu)``), on even or uneven levels, a
+  scale per row or per 32 values; ``--calib=random`` / ``--calib=argparse`` measure ``mu`` on
+  seeded random token ids / argparse's source instead of the evaluated text's first 2,048 tokens;
+- ``weighted_A``: ``prerope_center_grid`` with each RoPE pair of the centred key multiplied by
+  ``(q RMS / k RMS) ** A`` before quantizing and divided after (its statistics always from the
+  evaluated text's first 2,048 tokens).
+
+    .venv/bin/python scripts/int4_variants.py none row15 sink4 grid15 prerope_center prerope_center_grid
+    .venv/bin/python scripts/int4_variants.py prerope_center_grid_g32 weighted_0.25 weighted_0.5
+    .venv/bin/python scripts/int4_variants.py --calib=random prerope_center_grid
+    .venv/bin/python scripts/int4_variants.py --full --calib=random prerope_center_grid prerope_center
 """
 import argparse
 import sys
@@ -34,10 +52,11 @@ import torch
 from pagedllm.attention import reference
 from pagedllm.bench import accuracy
 from pagedllm.kvstore.quant import fwht
-from pagedllm.models import llama
+from pagedllm.models import layers, llama
 
 orig = reference.write_kv
 orig_load = llama.LlamaForCausalLM.load_hf_state_dict
+orig_rope = layers.RotaryEmbedding.forward
 BLOCK = 16
 
 
@@ -125,6 +144,130 @@ def k_in_layers(first, last):
     return write_kv
 
 
+def lloyd_grid(levels=15, rows=20000, dim=64, iters=60):
+    """A symmetric grid of ``levels`` points on [-1, 1] (the ends fixed: a row's absmax maps to
+    them), fitted by Lloyd's algorithm to Gaussian rows divided by their absmax: what a rotated
+    row looks like. Generic (no model data): a format could fix it once."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, dim, generator=g)
+    x = (x / x.abs().amax(-1, keepdim=True)).abs().flatten()
+    half = levels // 2
+    pts = torch.linspace(0, 1, half + 1)
+    for _ in range(iters):
+        idx = (x[:, None] - pts[None, :]).abs().argmin(1)
+        for j in range(1, half):  # 0 and 1 stay fixed
+            sel = x[idx == j]
+            if len(sel):
+                pts[j] = sel.mean()
+    return torch.cat([-pts.flip(0)[:-1], pts])
+
+
+def quantize_grid(x, grid, group=64):
+    """Rotated rows, one absmax scale per ``group`` values, each value to its nearest grid point."""
+    shape = x.shape
+    xf = fwht(x.float())
+    g = xf.reshape(*shape[:-1], -1, group)
+    s = g.abs().amax(-1, keepdim=True).bfloat16().float()
+    inv = torch.where(s > 0, 1 / s, torch.zeros_like(s))
+    idx = ((g * inv).unsqueeze(-1) - grid).abs().argmin(-1)
+    d = (grid[idx] * s).reshape(shape)
+    return fwht(d).to(x.dtype)
+
+
+def v_only_write():
+    """write_kv quantizing V only (per row): K is quantized in the RoPE hook."""
+    def write_kv(kv, key, value, slot_mapping, has_padding_slots=False):
+        orig(kv, key, quantize(value, 64, 15), slot_mapping, has_padding_slots)
+    return write_kv
+
+
+def rope_hook(k_post_fn, num_layers=30):
+    """RotaryEmbedding.forward with K replaced by ``k_post_fn(layer, positions, k_pre, rope)``,
+    where ``rope(x)`` rotates x at the call's positions. Layers call RoPE in order."""
+    calls = [0]
+
+    def forward(self, positions, q, k):
+        layer = calls[0] % num_layers
+        calls[0] += 1
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+
+        def rope(x):
+            return x * cos + layers._rotate_half(x) * sin
+        return rope(q), k_post_fn(layer, positions, k, rope)
+    return forward
+
+
+def collect_prerope_means():
+    sums, counts = {}, {}
+
+    def k_post(layer, positions, k, rope):
+        sums[layer] = sums.get(layer, 0) + k.double().sum(0)
+        counts[layer] = counts.get(layer, 0) + k.shape[0]
+        return rope(k)
+    return k_post, lambda: {i: (sums[i] / counts[i]).float() for i in sums}
+
+
+def collect_pair_energy(means, num_kv_heads=3):
+    """Per layer and KV head: the mean square per RoPE channel pair of the queries (the group's
+    heads averaged) and of the keys minus ``means`` (pre-RoPE; a pair's energy is RoPE-invariant)."""
+    qe, ke, counts = {}, {}, {}
+
+    def pairs(x):  # [..., D] -> [..., D/2]: x_j^2 + x_{j+D/2}^2
+        half = x.shape[-1] // 2
+        return x[..., :half].double() ** 2 + x[..., half:].double() ** 2
+
+    def forward(self, positions, q, k, calls=[0]):  # noqa: B006 (a counter)
+        layer = calls[0] % 30
+        calls[0] += 1
+        t, h, d = q.shape
+        qe[layer] = qe.get(layer, 0) + pairs(q).view(t, num_kv_heads, h // num_kv_heads, d // 2).mean(2).sum(0)
+        ke[layer] = ke.get(layer, 0) + pairs(k - means[layer]).sum(0)
+        counts[layer] = counts.get(layer, 0) + t
+        return orig_rope(self, positions, q, k)
+    return forward, lambda: {i: ((qe[i] / counts[i]).float(), (ke[i] / counts[i]).float()) for i in qe}
+
+
+def prerope_weighted(means, energy, alpha, grid):
+    """``prerope_centered`` with each RoPE pair of the centred key multiplied by
+    ``(q_rms / k_rms) ** alpha`` before the rotation and divided after (foldable into W_k / W_q)."""
+    def k_post(layer, positions, k, rope):
+        qe, ke = energy[layer]
+        w = (qe.sqrt() / ke.sqrt().clamp_min(1e-12)) ** alpha
+        w = (w / w.pow(2).mean(-1, keepdim=True).sqrt()).repeat(1, 2).to(k.dtype)  # [KH, D]
+        mu = means[layer].to(k.dtype)
+        r = quantize_grid(rope(k - mu) * w, grid, 64) / w
+        return (r + rope(mu.expand_as(k))).to(k.dtype)
+    return k_post
+
+
+def prerope_centered(means, group, grid=None):
+    """Stored: the key minus RoPE(mu) at its own position, quantized (mu: the layer's mean key
+    before RoPE); read back plus RoPE(mu). A kernel would add q . RoPE_pos(mu) per key.
+    ``grid``: codes on that grid (``lloyd_grid``) instead of evenly spaced."""
+    def k_post(layer, positions, k, rope):
+        mu = means[layer].to(k.dtype)
+        r = rope(k - mu)
+        r = quantize(r, group, 15) if grid is None else quantize_grid(r, grid, group)
+        return (r + rope(mu.expand_as(k))).to(k.dtype)
+    return k_post
+
+
+def v_grid_write(grid):
+    def write_kv(kv, key, value, slot_mapping, has_padding_slots=False):
+        orig(kv, key, quantize_grid(value, grid, 64), slot_mapping, has_padding_slots)
+    return write_kv
+
+
+def sink(n):
+    """K of positions below ``n`` kept in float, the rest one scale per row."""
+    def k_post(layer, positions, k, rope):
+        kk = rope(k)
+        keep = (positions < n).view(-1, 1, 1)
+        return torch.where(keep, kk, quantize(kk, 64, 15))
+    return k_post
+
+
 def smoothed(alpha):
     """Fold a per-RoPE-pair factor into W_q (times) and W_k (divided) when the model loads."""
     def load(self, weights):
@@ -153,12 +296,35 @@ variants = {
 }
 # --full: the whole accuracy text (20,480 tokens) at 512 and 4,096 tokens of context, as `bench accuracy`
 FULL = "--full" in sys.argv
-names = [a for a in sys.argv[1:] if a != "--full"]
+# --calib=random / --calib=argparse: the centring variants' mean keys measured on 2,048 random token
+# ids, or on argparse's source (code and docstrings), instead of the evaluated text's first 2,048 tokens
+CALIB = next((a.split("=")[1] for a in sys.argv[1:] if a.startswith("--calib=")), "text")
+names = [a for a in sys.argv[1:] if not a.startswith("--")]
+orig_text = accuracy.reference_text_ids
+
+
+def calibration_ids(tokenizer, num_tokens):
+    if CALIB == "random":
+        g = torch.Generator().manual_seed(1)
+        return torch.randint(0, tokenizer.vocab_size, (num_tokens,), generator=g).tolist()
+    if CALIB == "argparse":  # Python source with its docstrings: another text than the evaluated one
+        import inspect
+        return tokenizer.encode(inspect.getsource(argparse), add_special_tokens=False)[:num_tokens]
+    return orig_text(tokenizer, num_tokens)
+
+
+def calibrate(run_args):
+    accuracy.reference_text_ids = calibration_ids
+    try:
+        accuracy.run(run_args)
+    finally:
+        accuracy.reference_text_ids = orig_text
 args = argparse.Namespace(model=None, kv_cache_dtypes="float32", weights="float32",
                           contexts="512,4096" if FULL else "512", text_tokens=20480 if FULL else 2048,
                           prompts=0, new_tokens=0, chunk=64, block_size=BLOCK, quiet=True, configs=None)
 for name in names:
     llama.LlamaForCausalLM.load_hf_state_dict = orig_load
+    layers.RotaryEmbedding.forward = orig_rope
     if name.startswith("smooth_"):
         llama.LlamaForCausalLM.load_hf_state_dict = smoothed(float(name.split("_")[1]))
         reference.write_kv = fake(64, 15)
@@ -169,6 +335,39 @@ for name in names:
         reference.write_kv, means = collect_key_means()
         accuracy.run(calib)
         reference.write_kv = centered(means(), int(name.split("_g")[1]) if "_g" in name else 64)
+    elif name.startswith("prerope_center"):
+        calib = argparse.Namespace(**{**vars(args), "contexts": "512", "text_tokens": 2048})
+        reference.write_kv = orig
+        k_post, means = collect_prerope_means()
+        layers.RotaryEmbedding.forward = rope_hook(k_post)
+        calibrate(calib)
+        grid = lloyd_grid(15) if "grid" in name else None  # prerope_center[_grid][_g32]
+        layers.RotaryEmbedding.forward = rope_hook(
+            prerope_centered(means(), int(name.split("_g")[-1]) if "_g3" in name or "_g1" in name else 64, grid))
+        reference.write_kv = v_only_write() if grid is None else v_grid_write(grid)
+    elif name.startswith("weighted_"):  # weighted_A: prerope_center_grid, pairs weighted ^A
+        calib = argparse.Namespace(**{**vars(args), "contexts": "512", "text_tokens": 2048})
+        reference.write_kv = orig
+        k_post, means = collect_prerope_means()
+        layers.RotaryEmbedding.forward = rope_hook(k_post)
+        accuracy.run(calib)
+        mu = means()
+        layers.RotaryEmbedding.forward, energy = collect_pair_energy(mu)
+        accuracy.run(calib)
+        grid = lloyd_grid(15)
+        layers.RotaryEmbedding.forward = rope_hook(prerope_weighted(mu, energy(), float(name[9:]), grid))
+        reference.write_kv = v_grid_write(grid)
+    elif name.startswith("sink"):
+        layers.RotaryEmbedding.forward = rope_hook(sink(int(name[4:])))
+        reference.write_kv = v_only_write()
+    elif name.startswith("grid"):  # grid15 / grid16: Lloyd levels; _g32: a scale per 32 values
+        grid = lloyd_grid(int(name[4:6]))
+        group = int(name.split("_g")[1]) if "_g" in name else 64
+
+        def write_kv(kv, key, value, slot_mapping, has_padding_slots=False, grid=grid, group=group):
+            orig(kv, quantize_grid(key, grid, group), quantize_grid(value, grid, 64), slot_mapping,
+                 has_padding_slots)
+        reference.write_kv = write_kv
     elif isinstance(variants[name], str):
         reference.write_kv = anchored(int(variants[name].split("_")[1]))
     else:

@@ -3,13 +3,24 @@ exact inverse, history-independent bytes, block counts, and the reference over q
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 import torch
 
+import pagedllm
 from pagedllm.attention.reference import ReferenceBackend, gather_blocks
 from pagedllm.config import CacheConfig, ModelConfig
 from pagedllm.errors import ConfigError
-from pagedllm.kvstore.quant import QUANTIZED_FORMATS, KVCodec, rotation
+from pagedllm.kvstore.quant import (
+    INT4_LEVELS,
+    INT4_POINTS,
+    INT4_THRESHOLDS,
+    QUANTIZED_FORMATS,
+    KVCodec,
+    rotation,
+)
 from pagedllm.kvstore.spec import KVSpec, LayerKV, kv_spec_for
 from pagedllm.kvstore.storage import num_blocks_for
 from tests.unit.test_reference_attention import HEAD_DIM, build_case
@@ -17,8 +28,9 @@ from tests.unit.test_reference_attention import HEAD_DIM, build_case
 MODEL = ModelConfig(vocab_size=512, hidden_size=256, intermediate_size=128, num_layers=2, num_heads=4,
                     num_kv_heads=2, head_dim=64, max_position_embeddings=512)
 
-# per element: |x - decode(encode(x))| <= rel * |x| + abs_of_scale * scale (the codes' half step)
-BOUNDS = {"int8": (0.0, 0.5), "int4": (0.0, 0.5), "fp8_e4m3": (2.0 ** -4, 2.0 ** -10),
+# per element: |x - decode(encode(x))| <= rel * |x| + abs_of_scale * scale (the codes' half step;
+# int4: half its widest gap between levels, 5.3385 to 7)
+BOUNDS = {"int8": (0.0, 0.5), "int4": (0.0, (7.0 - 5.3385) / 2), "fp8_e4m3": (2.0 ** -4, 2.0 ** -10),
           "fp8_e5m2": (2.0 ** -3, 2.0 ** -17)}
 
 
@@ -66,11 +78,49 @@ def test_fp8_saturates_at_its_largest_finite_value_never_nan(name):
 
 def test_int4_packs_two_codes_per_byte_low_nibble_first():
     codec = KVCodec("int4", 4)
-    x = torch.tensor([[[7.0, -7.0, 1.0, 0.0]]])
+    x = torch.tensor([[[7.0, -7.0, INT4_POINTS[1], 0.0]]])  # levels: nibbles 15, 1, 10, 8
     codes, scale = codec.encode(x)
     assert scale.item() == 1.0
-    assert codes.tolist() == [[[(7 + 8) | ((-7 + 8) << 4), (1 + 8) | (8 << 4)]]]
+    assert codes.tolist() == [[[15 | (1 << 4), 10 | (8 << 4)]]]
     assert codec.decode(codes, scale).tolist() == x.tolist()
+
+
+def test_int4_codes_each_value_as_its_nearest_level():
+    """Every level codes to itself; any value to the level nearest it (the threshold between two
+    levels, a midpoint, to the smaller magnitude); beyond +-7, the end levels."""
+    levels = torch.tensor(INT4_LEVELS)
+    assert levels[8] == 0 and torch.equal(levels[9:], -levels[1:8].flip(0)) and (levels[1:].diff() > 0).all()
+    points = torch.tensor(INT4_POINTS)
+    midpoints = (torch.cat([torch.zeros(1), points[:-1]]) + points) / 2
+    torch.testing.assert_close(torch.tensor(INT4_THRESHOLDS), midpoints, atol=2e-7, rtol=0)
+    codec = KVCodec("int4", 2)
+    y = torch.cat([levels[1:], torch.linspace(-9.0, 9.0, 20001), torch.tensor(INT4_THRESHOLDS),
+                   -torch.tensor(INT4_THRESHOLDS)])
+    y = torch.stack([y, torch.zeros_like(y)], -1)[:, None, :]
+    codes, scale = codec.encode(y, static_scale=torch.ones(1))  # beyond +-7: saturates
+    assert (scale == 1).all()
+    back = codec.decode(codes, scale)[:, 0, 0]
+    x = y[:, 0, 0]
+    nearest = levels[1:][(x[:, None] - levels[1:]).abs().argmin(1)]
+    at_threshold = (x.abs()[:, None] == torch.tensor(INT4_THRESHOLDS)).any(1)
+    assert torch.equal(back[~at_threshold], nearest[~at_threshold])
+    lower = back[at_threshold].abs() < x[at_threshold].abs()
+    assert lower.all()  # a tie goes to the smaller magnitude
+
+
+def test_the_kernels_hold_int4s_levels_and_thresholds():
+    """csrc/kv_codec.h and the Triton kernel write int4's levels and thresholds as literals: the
+    same numbers as kvstore/quant.py's (their bytes are compared by the kernel tests too, but a
+    threshold a hair apart would only show on a value that falls between the two)."""
+    src = Path(pagedllm.__file__).parent
+    header = (src / "csrc" / "kv_codec.h").read_text()
+    levels = re.search(r"kInt4Levels\[16\] = \{([^}]*)\}", header).group(1)
+    thresholds = re.search(r"kInt4Thresholds\[7\] = \{([^}]*)\}", header).group(1)
+    assert [float(v.rstrip("f ")) for v in levels.split(",")] == list(INT4_LEVELS)
+    assert [float(v.rstrip("f ")) for v in thresholds.split(",")] == list(INT4_THRESHOLDS)
+    triton_source = (src / "attention" / "triton_kernel.py").read_text()
+    assert all(f"a > {t!r}" in triton_source for t in INT4_THRESHOLDS)
+    assert all(f"== {k}, {p!r}" in triton_source for k, p in enumerate(INT4_POINTS[:-1], start=1))
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 48])

@@ -108,8 +108,14 @@ def _quantize_row(src_ptr, codes_ptr, scales_ptr, static_ptr, row, D: tl.constex
         scale, bits = _bfloat16_bits(tl.math.div_rn(tl.max(tl.abs(x), axis=0), QMAX))
     inv = tl.where(scale > 0, tl.math.div_rn(1.0, tl.where(scale > 0, scale, 1.0)), 0.0)
     y = tl.minimum(tl.maximum(x * inv, -QMAX), QMAX)
-    if FORMAT == 1 or FORMAT == 2:  # noqa: SIM108 - a branch on a constexpr, compiled away
+    if FORMAT == 1 or FORMAT == 2:
         codes = _fp8_bits(y, FORMAT == 1)
+    elif FORMAT == 3:  # the index of the nearest level, minus 8 (KVCodec: INT4_THRESHOLDS' literals)
+        a = tl.abs(y)
+        magnitude = ((a > 0.3646).to(tl.float32) + (a > 1.10405).to(tl.float32) + (a > 1.87505).to(tl.float32)
+                     + (a > 2.7043).to(tl.float32) + (a > 3.6324).to(tl.float32) + (a > 4.73295).to(tl.float32)
+                     + (a > 6.16925).to(tl.float32))
+        codes = tl.where(y < 0, -magnitude, magnitude)
     else:  # round half to even: exact for |y| < 2^22, and the clamp above bounds y by QMAX
         codes = (y + 12582912.0) - 12582912.0
     if FORMAT == 0:
@@ -186,8 +192,9 @@ def paged_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, token_seq_p
 @triton.jit
 def _codes_to_float(codes, shift, FORMAT: tl.constexpr):
     """Stored codes -> their values before the row's scale (KVCodec.decode's): int8 as is; fp8 through
-    float16, whose bits hold e5m2's exactly and e4m3's shifted by 2^8; int4 the nibble at ``shift``
-    minus 8 (the bytes come as uint8)."""
+    float16, whose bits hold e5m2's exactly and e4m3's shifted by 2^8; int4 the level of the nibble
+    at ``shift`` (the bytes come as uint8; KVCodec's INT4_LEVELS: nibble 8 +- k is +-INT4_POINTS[k-1],
+    and 0, 7 and 8 away from 8 are those numbers themselves)."""
     if FORMAT == 0:
         return codes.to(tl.float32)
     elif FORMAT == 1:
@@ -197,7 +204,11 @@ def _codes_to_float(codes, shift, FORMAT: tl.constexpr):
     elif FORMAT == 2:
         return (codes.to(tl.uint16) << 8).to(tl.float16, bitcast=True).to(tl.float32)
     else:
-        return (((codes >> shift) & 0xF).to(tl.int32) - 8).to(tl.float32)
+        k = ((codes >> shift) & 0xF).to(tl.int32) - 8
+        m = tl.abs(k)
+        level = tl.where(m == 1, 0.7292, tl.where(m == 2, 1.4789, tl.where(m == 3, 2.2712, tl.where(
+            m == 4, 3.1374, tl.where(m == 5, 4.1274, tl.where(m == 6, 5.3385, m.to(tl.float32)))))))
+        return tl.where(k < 0, -level, level)
 
 
 @triton.jit

@@ -5,10 +5,11 @@
 //   int8      round half to even, clamped to +-127;
 //   fp8_e4m3  clamped to +-448, cast to float8_e4m3fn (c10's conversion, as torch's .to());
 //   fp8_e5m2  clamped to +-57344, cast to float8_e5m2;
-//   int4      the row first rotated (fwht), then round, clamp to +-7, + 8, two per byte, element
-//             2i in the low nibble.
+//   int4      the row first rotated (fwht), then each value's nearest of the 15 levels
+//             kInt4Levels (-7..7, not evenly spaced: 8 plus or minus the count of
+//             kInt4Thresholds that |x * inv| exceeds), two nibbles per byte, element 2i low.
 // A static scale (kv_cache_scales) replaces absmax / qmax; the rest is the same.
-// Decoding multiplies each value by the row's scale (int4: the result is still rotated; the
+// Decoding multiplies each value (int4: its level) by the row's scale (int4: the result is still rotated; the
 // attention kernel rotates the query alike and its output back). Every step is the float32
 // operation torch performs in KVCodec, in the same order, so the C++ store writes the bytes the
 // reference writes (tests compare them).
@@ -47,6 +48,21 @@ template <KVFormat F>
 constexpr bool kPacked = F == KVFormat::kInt4;
 template <KVFormat F>
 constexpr bool kRotated = F == KVFormat::kInt4;
+
+// int4's levels by nibble and the midpoints between neighbouring positive levels: quant.py's
+// INT4_LEVELS and INT4_THRESHOLDS, the same literals (tests/unit/test_kv_quant.py compares them).
+alignas(64) inline constexpr float kInt4Levels[16] = {-8.f,     -7.f,     -5.3385f, -4.1274f, -3.1374f, -2.2712f,
+                                                      -1.4789f, -0.7292f, 0.f,      0.7292f,  1.4789f,  2.2712f,
+                                                      3.1374f,  4.1274f,  5.3385f,  7.f};
+inline constexpr float kInt4Thresholds[7] = {0.3646f, 1.10405f, 1.87505f, 2.7043f, 3.6324f, 4.73295f, 6.16925f};
+
+// One value over its row's scale -> its int4 nibble.
+inline int int4_nibble(float y) {
+  const float a = std::fabs(y);
+  int magnitude = 0;
+  for (float t : kInt4Thresholds) magnitude += a > t;
+  return y < 0.f ? 8 - magnitude : 8 + magnitude;
+}
 
 // Bytes a row of head_dim values takes.
 template <KVFormat F>
@@ -92,9 +108,7 @@ inline void encode_row(const float* x, int64_t n, uint8_t* codes, c10::BFloat16*
     for (int64_t d = 0; d < n; ++d) codes[d] = c10::Float8_e5m2(std::clamp(x[d] * inv, -q, q)).x;
   } else {
     for (int64_t d = 0; d < n; d += 2) {
-      const int lo = static_cast<int>(std::clamp(std::nearbyint(x[d] * inv), -q, q)) + 8;
-      const int hi = static_cast<int>(std::clamp(std::nearbyint(x[d + 1] * inv), -q, q)) + 8;
-      codes[d / 2] = static_cast<uint8_t>(lo | (hi << 4));
+      codes[d / 2] = static_cast<uint8_t>(int4_nibble(x[d] * inv) | (int4_nibble(x[d + 1] * inv) << 4));
     }
   }
 }
@@ -124,8 +138,8 @@ inline void decode_row(const uint8_t* codes, float scale, float* out, int64_t n)
     for (int64_t d = 0; d < n; ++d) out[d] = static_cast<float>(c[d]) * scale;
   } else if constexpr (F == KVFormat::kInt4) {
     for (int64_t d = 0; d < n; d += 2) {
-      out[d] = static_cast<float>((codes[d / 2] & 0x0F) - 8) * scale;
-      out[d + 1] = static_cast<float>((codes[d / 2] >> 4) - 8) * scale;
+      out[d] = kInt4Levels[codes[d / 2] & 0x0F] * scale;
+      out[d + 1] = kInt4Levels[codes[d / 2] >> 4] * scale;
     }
   } else {
     const float* values = fp8_values<F>().data();

@@ -13,11 +13,12 @@ cache. The formats:
   write: vLLM's fp8 KV with its default scale of 1.0 silently loses accuracy (its docs say so);
 - ``int4``: the row first rotated by a fixed orthogonal matrix (``rotation``: the normalised
   Hadamard transform where ``head_dim`` is a power of two), then symmetric per token and KV head,
-  ``scale = absmax / 7``, codes -7..7 stored offset by 8 as two nibbles per byte (element ``2i``
-  in the low nibble). Q is rotated alike, so ``q'.k' = q.k`` in exact arithmetic; the output of
-  attention over rotated V is rotated back (``unrotate``). The rotation spreads a row's outliers
-  over all its elements, which 4 bits need (llama.cpp's q4_0 KV measured 6.4648 perplexity
-  without one, 6.3243 with, 6.3123 at f16: its PR 21551).
+  ``scale = absmax / 7``, each ``x / scale`` coded as its nearest of 15 levels in -7..7
+  (``INT4_LEVELS``: not evenly spaced) and stored as the level's index 1..15 (8: zero), two
+  nibbles per byte (element ``2i`` in the low nibble). Q is rotated alike, so ``q'.k' = q.k`` in
+  exact arithmetic; the output of attention over rotated V is rotated back (``unrotate``). The
+  rotation spreads a row's outliers over all its elements, which 4 bits need (llama.cpp's q4_0
+  KV measured 6.4648 perplexity without one, 6.3243 with, 6.3123 at f16: its PR 21551).
 
 Scales are bfloat16 (2 bytes per row: an int8 row of 64 values costs 66 bytes, not 68 with
 float32, 1.94x the rows of bf16 instead of 1.88x). Not float16: ``absmax / 57344`` (fp8_e5m2) is
@@ -40,6 +41,18 @@ import torch
 
 SCALE_DTYPE = torch.bfloat16
 
+# int4's levels (a value is ``INT4_LEVELS[nibble] * scale``; nibble 8 is 0, nibble 0 is never
+# written): a Lloyd-Max grid for what a rotated row divided by its absmax looks like, Gaussian
+# values over their largest of 64 (``scripts/int4_variants.py``'s ``lloyd_grid``, ends fixed at
+# +-7), rounded to 4 decimals. Against evenly spaced codes -7..7 it lowers the error of the rows
+# int4 stores, at the same bytes (docs/kv_quantization.md, "Why int4 is what it is"). The C++
+# (``csrc/kv_codec.h``, ``paged_attention_cpu.cpp``) and Triton kernels hold the same literals
+# (a test compares them). A value's nibble is 8 plus or minus the number of ``INT4_THRESHOLDS``
+# (the midpoints between neighbouring levels) that ``|x / scale|`` exceeds.
+INT4_POINTS = (0.7292, 1.4789, 2.2712, 3.1374, 4.1274, 5.3385, 7.0)
+INT4_THRESHOLDS = (0.3646, 1.10405, 1.87505, 2.7043, 3.6324, 4.73295, 6.16925)
+INT4_LEVELS = (-8.0, *(-p for p in reversed(INT4_POINTS)), 0.0, *INT4_POINTS)
+
 # name -> (stored element dtype, qmax: the code range's largest magnitude, rotated, packed nibbles)
 _FORMATS = {
     "int8": (torch.int8, 127.0, False, False),
@@ -52,7 +65,7 @@ QUANTIZED_FORMATS = tuple(_FORMATS)
 # accuracy`` on SmolLM2-135M-Instruct (docs/kv_quantization.md has the command, the machine and the
 # other figures). A format over ``WARN_PPL_LOSS_PCT`` is named in a warning when an engine is built.
 MEASURED_PPL_LOSS_PCT = {"bfloat16": 0.004, "float16": 0.001, "int8": 0.06, "fp8_e4m3": 1.36, "fp8_e5m2": 4.72,
-                         "int4": 10.6}
+                         "int4": 7.55}
 WARN_PPL_LOSS_PCT = 2.0
 
 
@@ -161,18 +174,19 @@ class KVCodec:
         y = xf * inv
         if self.dtype.is_floating_point:  # fp8: the cast rounds to nearest even and saturates here
             return y.clamp(-self.qmax, self.qmax).to(self.dtype), scale
-        codes = torch.round(y).clamp(-self.qmax, self.qmax)
         if not self.packed:
-            return codes.to(self.dtype), scale
-        u = (codes + 8).to(torch.uint8)
+            return torch.round(y).clamp(-self.qmax, self.qmax).to(self.dtype), scale
+        thresholds = torch.tensor(INT4_THRESHOLDS, dtype=torch.float32, device=y.device)
+        magnitude = torch.bucketize(y.abs(), thresholds)  # how many thresholds |y| exceeds
+        u = torch.where(y < 0, 8 - magnitude, 8 + magnitude).to(torch.uint8)
         return u[..., 0::2] | (u[..., 1::2] << 4), scale
 
     def decode(self, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """(codes ``[..., code_dim]``, scales ``[...]``) -> float32 rows ``[..., head_dim]``."""
         if self.packed:
-            lo = (codes & 0x0F).to(torch.int16) - 8
-            hi = (codes >> 4).to(torch.int16) - 8
-            values = torch.stack([lo, hi], dim=-1).flatten(-2).float()
+            levels = torch.tensor(INT4_LEVELS, dtype=torch.float32, device=codes.device)
+            nibbles = torch.stack([codes & 0x0F, codes >> 4], dim=-1).flatten(-2)
+            values = levels[nibbles.long()]
         else:
             values = codes.float()
         return values * scale.float().unsqueeze(-1)

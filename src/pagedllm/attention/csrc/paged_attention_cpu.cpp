@@ -937,7 +937,7 @@ void attention_kernel(const T* q, const T* kc, const T* vc, T* out, const int64_
 #ifdef __AVX512F__
 // 16 codes of a quantized row -> their 16 values before the row's scale, in registers (decode_row's
 // values: fp8 through float16, whose bits hold e5m2's exactly and e4m3's shifted by 2^8; int4 from
-// 8 bytes, element 2i the low nibble of byte i).
+// 8 bytes, element 2i the low nibble of byte i, each nibble's level looked up in kInt4Levels).
 template <KVFormat F>
 inline __m512 load16_codes(const uint8_t* p);
 template <>
@@ -961,8 +961,7 @@ inline __m512 load16_codes<KVFormat::kInt4>(const uint8_t* p) {
   const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
   const __m128i low = _mm_and_si128(bytes, _mm_set1_epi8(0x0F));
   const __m128i high = _mm_and_si128(_mm_srli_epi16(bytes, 4), _mm_set1_epi8(0x0F));
-  const __m512 codes = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(low, high)));
-  return _mm512_sub_ps(codes, _mm512_set1_ps(8.f));
+  return _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(low, high)), _mm512_load_ps(kInt4Levels));
 }
 
 // The few-row (decode) block step over quantized K/V, for R = 1-3 rows of one kv head: as
@@ -1033,8 +1032,10 @@ inline __m256 load8_codes<KVFormat::kInt4>(const uint8_t* p) {  // 4 bytes, two 
   const __m128i bytes = _mm_cvtsi32_si128(word);
   const __m128i low = _mm_and_si128(bytes, _mm_set1_epi8(0x0F));
   const __m128i high = _mm_and_si128(_mm_srli_epi16(bytes, 4), _mm_set1_epi8(0x0F));
-  const __m256 codes = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpacklo_epi8(low, high)));
-  return _mm256_sub_ps(codes, _mm256_set1_ps(8.f));
+  const __m256i nibbles = _mm256_cvtepu8_epi32(_mm_unpacklo_epi8(low, high));
+  const __m256 below = _mm256_permutevar8x32_ps(_mm256_load_ps(kInt4Levels), nibbles);  // levels 0-7
+  const __m256 above = _mm256_permutevar8x32_ps(_mm256_load_ps(kInt4Levels + 8), nibbles);  // 8-15
+  return _mm256_blendv_ps(below, above, _mm256_castsi256_ps(_mm256_cmpgt_epi32(nibbles, _mm256_set1_epi32(7))));
 }
 
 // decode_block_quant on AVX2, for R = 1-3 rows: decode_block_avx2's register tiles over the codes,
