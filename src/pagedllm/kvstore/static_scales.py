@@ -9,9 +9,9 @@ each row's scale slot, so the attention kernels read the rows exactly as they re
 (no kernel knows the difference) and a stored value still never depends on a block's write history.
 
 A scale means what vLLM's ``k_scale`` means: the value one code step stands for, ``x ~= code *
-scale`` (fp8: ``x / scale`` is cast to fp8; int8: codes -127..127; int4: codes -7..7 of the
-*rotated* row). It is stored as bfloat16, like every per-row scale, and the rows are encoded
-with the rounded value.
+scale`` (fp8: ``x / scale`` is cast to fp8; int8: codes -127..127; int4: its levels in -7..7
+(``quant.INT4_LEVELS``) of the *rotated* row). It is stored as bfloat16, like every per-row
+scale, and the rows are encoded with the rounded value.
 
 The option takes one positive number (every layer, K and V), or the path of a JSON file::
 
