@@ -43,6 +43,7 @@ Session 29 (docs/kv_quantization.md, "Session 29"):
     .venv/bin/python scripts/int4_variants.py prerope_center_grid_g32 weighted_0.25 weighted_0.5
     .venv/bin/python scripts/int4_variants.py --calib=random prerope_center_grid
     .venv/bin/python scripts/int4_variants.py --full --calib=random prerope_center_grid prerope_center
+    .venv/bin/python scripts/int4_variants.py --levels  # int4's levels, as kvstore/quant.py holds them
 """
 import argparse
 import sys
@@ -144,22 +145,29 @@ def k_in_layers(first, last):
     return write_kv
 
 
-def lloyd_grid(levels=15, rows=20000, dim=64, iters=60):
+def lloyd_grid(levels=15, rows=20000, dim=64, iters=60, dtype=torch.float32, drop_max=False):
     """A symmetric grid of ``levels`` points on [-1, 1] (the ends fixed: a row's absmax maps to
     them), fitted by Lloyd's algorithm to Gaussian rows divided by their absmax: what a rotated
-    row looks like. Generic (no model data): a format could fix it once."""
+    row looks like. Generic (no model data): a format could fix it once. The session-29 variants
+    ran the defaults; ``--levels`` prints int4's shipped levels, a longer fit (``INT4_FIT``)."""
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(rows, dim, generator=g)
+    x = torch.randn(rows, dim, generator=g, dtype=dtype)
     x = (x / x.abs().amax(-1, keepdim=True)).abs().flatten()
+    if drop_max:  # each row's largest value is 1 exactly, stored exactly: not part of the fit
+        x = x[x < 1]
     half = levels // 2
-    pts = torch.linspace(0, 1, half + 1)
+    pts = torch.linspace(0, 1, half + 1, dtype=dtype)
     for _ in range(iters):
-        idx = (x[:, None] - pts[None, :]).abs().argmin(1)
+        idx = torch.bucketize(x, (pts[1:] + pts[:-1]) / 2)  # each value's nearest point
         for j in range(1, half):  # 0 and 1 stay fixed
             sel = x[idx == j]
             if len(sel):
                 pts[j] = sel.mean()
     return torch.cat([-pts.flip(0)[:-1], pts])
+
+
+# int4's levels in kvstore/quant.py: 7 times this fit's positive points, rounded to 4 decimals
+INT4_FIT = dict(levels=15, rows=200000, iters=200, dtype=torch.float64, drop_max=True)
 
 
 def quantize_grid(x, grid, group=64):
@@ -295,6 +303,9 @@ variants = {
     "anchor": "anchor_64", "anchor_g32": "anchor_32", "anchor_g16": "anchor_16",
 }
 # --full: the whole accuracy text (20,480 tokens) at 512 and 4,096 tokens of context, as `bench accuracy`
+if "--levels" in sys.argv:  # INT4_POINTS of kvstore/quant.py
+    print(tuple(round(7 * v, 4) for v in lloyd_grid(**INT4_FIT)[8:].tolist()))
+    sys.exit(0)
 FULL = "--full" in sys.argv
 # --calib=random / --calib=argparse: the centring variants' mean keys measured on 2,048 random token
 # ids, or on argparse's source (code and docstrings), instead of the evaluated text's first 2,048 tokens

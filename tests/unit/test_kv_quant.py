@@ -29,9 +29,9 @@ MODEL = ModelConfig(vocab_size=512, hidden_size=256, intermediate_size=128, num_
                     num_kv_heads=2, head_dim=64, max_position_embeddings=512)
 
 # per element: |x - decode(encode(x))| <= rel * |x| + abs_of_scale * scale (the codes' half step;
-# int4: half its widest gap between levels, 5.3385 to 7)
-BOUNDS = {"int8": (0.0, 0.5), "int4": (0.0, (7.0 - 5.3385) / 2), "fp8_e4m3": (2.0 ** -4, 2.0 ** -10),
-          "fp8_e5m2": (2.0 ** -3, 2.0 ** -17)}
+# int4: half its widest gap between levels, the last)
+BOUNDS = {"int8": (0.0, 0.5), "int4": (0.0, (INT4_POINTS[-1] - INT4_POINTS[-2]) / 2),
+          "fp8_e4m3": (2.0 ** -4, 2.0 ** -10), "fp8_e5m2": (2.0 ** -3, 2.0 ** -17)}
 
 
 def rows(seed: int, shape=(37, 2, 64), magnitude: float = 1.0) -> torch.Tensor:

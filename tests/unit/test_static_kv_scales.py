@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pagedllm.attention.reference import ReferenceBackend
-from pagedllm.kvstore.quant import QUANTIZED_FORMATS, KVCodec
+from pagedllm.kvstore.quant import INT4_POINTS, QUANTIZED_FORMATS, KVCodec
 from pagedllm.kvstore.spec import KVSpec, LayerKV
 from pagedllm.kvstore.static_scales import StaticKVScales
 from tests.unit.test_kv_quant import same_bytes
@@ -74,8 +74,8 @@ def test_the_codec_encodes_with_the_static_scale_and_saturates_beyond_it(name):
     error = (codec.decode(codes, scale) - small).abs()
     if name == "int8":  # half a code step, plus the scale's bfloat16 rounding
         assert error.max() <= 0.0005 + 1e-6
-    elif name == "int4":  # half the widest step between its levels (5.3385 to 7)
-        assert error.max() <= 0.001 * (7.0 - 5.3385) / 2 + 1e-6
+    elif name == "int4":  # half the widest step between its levels (the last)
+        assert error.max() <= 0.001 * (INT4_POINTS[-1] - INT4_POINTS[-2]) / 2 + 1e-6
     else:  # half an fp8 unit in the last place: 2^-4 (e4m3) or 2^-3 (e5m2) of the value
         relative = 2.0 ** -4 if name == "fp8_e4m3" else 2.0 ** -3
         assert bool((error <= small.abs() * relative * 1.01 + 1e-6).all())

@@ -98,12 +98,11 @@ def main(args) -> dict:
     n = per_round * ROUNDS
     total, plain = profiled_s / n, plain_s / n
     ops = {k: v / n for k, v in ops.items()}
-    matmul_ops = MATMUL_OPS
-    matmul = sum(v for k, v in ops.items() if k in matmul_ops) + timed["cpp_matmul"] / n
+    matmul = sum(v for k, v in ops.items() if k in MATMUL_OPS) + timed["cpp_matmul"] / n
     # the C++ decoder stack (models/decoder_stack.py) calls our ops from C++, named for the profiler
     stack_attention = ops.get(STACK_ATTENTION, 0.0)
-    other_ops = sum(v for k, v in ops.items() if (k.startswith("aten::") and k not in matmul_ops)
-                    or (k.startswith("pagedllm::") and k not in (STACK_ATTENTION, *matmul_ops))) + (
+    other_ops = sum(v for k, v in ops.items() if (k.startswith("aten::") and k not in MATMUL_OPS)
+                    or (k.startswith("pagedllm::") and k not in (STACK_ATTENTION, *MATMUL_OPS))) + (
         timed["cpp_other"] / n)
     attention_s = timed["attention"] / n + stack_attention
     # The profiler's own bookkeeping (microseconds per recorded op, between the ops) inflates the

@@ -9,8 +9,8 @@
 //             kInt4Levels (-7..7, not evenly spaced: 8 plus or minus the count of
 //             kInt4Thresholds that |x * inv| exceeds), two nibbles per byte, element 2i low.
 // A static scale (kv_cache_scales) replaces absmax / qmax; the rest is the same.
-// Decoding multiplies each value (int4: its level) by the row's scale (int4: the result is still rotated; the
-// attention kernel rotates the query alike and its output back). Every step is the float32
+// Decoding multiplies each value (int4: its level) by the row's scale (int4: the result is still
+// rotated; the attention kernel rotates the query alike and its output back). Every step is the float32
 // operation torch performs in KVCodec, in the same order, so the C++ store writes the bytes the
 // reference writes (tests compare them).
 #pragma once

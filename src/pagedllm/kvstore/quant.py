@@ -43,12 +43,12 @@ SCALE_DTYPE = torch.bfloat16
 
 # int4's levels (a value is ``INT4_LEVELS[nibble] * scale``; nibble 8 is 0, nibble 0 is never
 # written): a Lloyd-Max grid for what a rotated row divided by its absmax looks like, Gaussian
-# values over their largest of 64 (``scripts/int4_variants.py``'s ``lloyd_grid``, ends fixed at
-# +-7), rounded to 4 decimals. Against evenly spaced codes -7..7 it lowers the error of the rows
-# int4 stores, at the same bytes (docs/kv_quantization.md, "Why int4 is what it is"). The C++
-# (``csrc/kv_codec.h``, ``paged_attention_cpu.cpp``) and Triton kernels hold the same literals
-# (a test compares them). A value's nibble is 8 plus or minus the number of ``INT4_THRESHOLDS``
-# (the midpoints between neighbouring levels) that ``|x / scale|`` exceeds.
+# values over their largest of 64, ends fixed at +-7, rounded to 4 decimals (``python
+# scripts/int4_variants.py --levels`` prints them). Against evenly spaced codes -7..7 it lowers
+# the error of the rows int4 stores, at the same bytes (docs/kv_quantization.md, "Why int4 is
+# what it is"). The C++ (``csrc/kv_codec.h``, ``paged_attention_cpu.cpp``) and Triton kernels
+# hold the same literals (a test compares them). A value's nibble is 8 plus or minus the number
+# of ``INT4_THRESHOLDS`` (the midpoints between neighbouring levels) that ``|x / scale|`` exceeds.
 INT4_POINTS = (0.7292, 1.4789, 2.2712, 3.1374, 4.1274, 5.3385, 7.0)
 INT4_THRESHOLDS = (0.3646, 1.10405, 1.87505, 2.7043, 3.6324, 4.73295, 6.16925)
 INT4_LEVELS = (-8.0, *(-p for p in reversed(INT4_POINTS)), 0.0, *INT4_POINTS)
@@ -67,6 +67,14 @@ QUANTIZED_FORMATS = tuple(_FORMATS)
 MEASURED_PPL_LOSS_PCT = {"bfloat16": 0.004, "float16": 0.001, "int8": 0.06, "fp8_e4m3": 1.36, "fp8_e5m2": 4.72,
                          "int4": 7.55}
 WARN_PPL_LOSS_PCT = 2.0
+
+
+@functools.lru_cache(maxsize=8)
+def _int4_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(INT4_THRESHOLDS, INT4_LEVELS) as float32 tensors on ``device``, made once per device (the
+    reference backend encodes and decodes every layer's rows every step)."""
+    return (torch.tensor(INT4_THRESHOLDS, dtype=torch.float32, device=device),
+            torch.tensor(INT4_LEVELS, dtype=torch.float32, device=device))
 
 
 def accuracy_warning(kv_cache_dtype: str) -> str | None:
@@ -176,17 +184,15 @@ class KVCodec:
             return y.clamp(-self.qmax, self.qmax).to(self.dtype), scale
         if not self.packed:
             return torch.round(y).clamp(-self.qmax, self.qmax).to(self.dtype), scale
-        thresholds = torch.tensor(INT4_THRESHOLDS, dtype=torch.float32, device=y.device)
-        magnitude = torch.bucketize(y.abs(), thresholds)  # how many thresholds |y| exceeds
+        magnitude = torch.bucketize(y.abs(), _int4_tables(y.device)[0])  # how many thresholds |y| exceeds
         u = torch.where(y < 0, 8 - magnitude, 8 + magnitude).to(torch.uint8)
         return u[..., 0::2] | (u[..., 1::2] << 4), scale
 
     def decode(self, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """(codes ``[..., code_dim]``, scales ``[...]``) -> float32 rows ``[..., head_dim]``."""
         if self.packed:
-            levels = torch.tensor(INT4_LEVELS, dtype=torch.float32, device=codes.device)
             nibbles = torch.stack([codes & 0x0F, codes >> 4], dim=-1).flatten(-2)
-            values = levels[nibbles.long()]
+            values = _int4_tables(codes.device)[1][nibbles.long()]
         else:
             values = codes.float()
         return values * scale.float().unsqueeze(-1)

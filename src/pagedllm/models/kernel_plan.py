@@ -21,8 +21,7 @@ trying and catching:
 The crossovers and budgets per family (the figures that chose them, with machines and commands:
 docs/design.md, "Figures behind the code's choices"): AVX-512 with BF16: a bf16 model's 4-bit and
 Q8_0 blocks on our tile kernels (``csrc/bf16_tiles.h``, VDPBF16PS) up to 16 rows, other dtypes' up
-to 8 rows. AMX: a bf16
-model runs the 4-bit kernel at 1 row only and never the Q8_0 head;
+to 8 rows. AMX: a bf16 model runs the 4-bit kernel at 1 row only and never the Q8_0 head;
 ``step_tokens`` 2,048. AVX-512 without BF16: the 4-bit kernel up to 16 rows, the natively packed
 bf16 head at 1 row. AVX2 without AVX-512: our C++ 4-bit kernel and the Q8_0 head up to 16 rows,
 the panel GEMM for widened models; a float32 model never runs the 4-bit kernel. The float32
