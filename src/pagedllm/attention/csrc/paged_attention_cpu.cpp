@@ -6,7 +6,7 @@
 // and unnormalised accumulator are rescaled by exp(m_old - m_new) -- the log-sum-exp merge.
 // A query at absolute position p sees keys 0..p (causal within the new chunk, all of the cached
 // prefix). Storage may be float32, bfloat16 or float16; maths is float32 (on AVX512-BF16, the
-// decode scores of a bf16 cache are float32 sums of exact bf16 products: kBf16Dot).
+// scores of a bf16 cache are float32 sums of exact bf16 products: kBf16Dot, kPairDot).
 //
 // Two inner loops compute the same thing. Tiles of many rows (prefill: up to 16 tokens x G heads)
 // run a block as two small GEMMs in registers: scores [rows x keys] = Q K^T from the block's keys
@@ -81,16 +81,21 @@ constexpr int kPvRowsMax = 1;
 #endif
 constexpr int kKeyChunk = 64;   // keys per online-softmax step of the tiled path
 
-// AVX512-BF16 (Zen 4, Sapphire Rapids and later): the decode path's Q K^T of a bf16 cache takes
-// its dot products on the stored bits (VDPBF16PS: pairs of bf16 products, exact in float32, summed
-// in float32), so a block's keys are never converted. Not bit-equal to the float32 dot product of
-// the other families (another summation order, denormals read as zero): within the tests' bf16
-// tolerance, and the scale is applied to the score instead of the query.
+// AVX512-BF16 (Zen 4, Sapphire Rapids and later): the Q K^T of a bf16 cache takes its dot products
+// on the stored bits (VDPBF16PS: pairs of bf16 products, exact in float32, summed in float32), so
+// the decode paths never convert a block's keys, and the tiled path's micro-tiles take half the
+// instructions of float32 FMAs. Not bit-equal to the float32 dot product of the other families
+// (another summation order, denormals read as zero): within the tests' bf16 tolerance, and the
+// scale is applied to the score instead of the query.
 #ifdef __AVX512BF16__
 constexpr bool kBf16Dot = true;
 #else
 constexpr bool kBf16Dot = false;
 #endif
+// Whether a cache of T at head dim kD takes its scores by bf16 pairs: the decode paths of
+// attention_kernel, and the tiled path's Q K^T micro-tiles (attend_tile_gemm).
+template <typename T, int kD>
+constexpr bool kPairDot = kBf16Dot && std::is_same_v<T, c10::BFloat16> && kD > 0 && kD % 32 == 0;
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
@@ -98,16 +103,20 @@ inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 // call (not once per query tile) and laid out for it: per (sequence, kv head), K transposed in
 // groups of 16 positions, [L16 / 16][D][16] (L16 = its length rounded up to 16, the tail zero: a
 // micro-tile reads one contiguous 4 KiB run, not 64 rows 4 KiB apart), and V as [L16][D]. Key
-// chunks then span block boundaries.
+// chunks then span block boundaries. Where the tiled Q K^T runs on bf16 pairs (kBf16Dot, a bf16
+// cache: attend_tile_gemm), K stays in its stored bits instead, transposed by pairs of dims:
+// kp [L16 / 16][D / 2][16][2], one 64-byte vector per pair of dims of 16 keys, and kt is empty.
 struct ConvertedSeqs {
   int64_t D;
   std::vector<int64_t> offset, len16;  // per sequence (offset -1: not converted)
   std::vector<float> kt, v;
+  std::vector<uint16_t> kp;
   const float* k_of(int64_t seq, int64_t kh) const { return &kt[offset[seq] + kh * D * len16[seq]]; }
+  const uint16_t* kp_of(int64_t seq, int64_t kh) const { return &kp[offset[seq] + kh * D * len16[seq]]; }
   const float* v_of(int64_t seq, int64_t kh) const { return &v[offset[seq] + kh * len16[seq] * D]; }
 };
 
-template <typename T>
+template <typename T, bool kPairs = false>
 ConvertedSeqs convert_sequences(const T* kc, const T* vc, const std::vector<char>& wanted, const int64_t* seq_lens,
                                 const int64_t* tables, int64_t max_blocks, int64_t KH, int64_t D, int64_t B) {
   const int64_t S = static_cast<int64_t>(wanted.size());
@@ -122,7 +131,11 @@ ConvertedSeqs convert_sequences(const T* kc, const T* vc, const std::vector<char
     for (int64_t b = 0; b * B < seq_lens[s]; ++b) blocks.push_back({s, b});
   }
   if (blocks.empty()) return c;
-  c.kt.assign(total, 0.f);
+  if constexpr (kPairs) {
+    c.kp.assign(total, 0);
+  } else {
+    c.kt.assign(total, 0.f);
+  }
   c.v.assign(total, 0.f);
   const int64_t n_items = static_cast<int64_t>(blocks.size()) * KH;
   const int64_t row_stride = KH * D, block_stride = B * KH * D;
@@ -134,13 +147,17 @@ ConvertedSeqs convert_sequences(const T* kc, const T* vc, const std::vector<char
       const int64_t phys = tables[seq * max_blocks + b];
       const T* kb = kc + phys * block_stride + kh * D;
       const T* vb = vc + phys * block_stride + kh * D;
-      float* kt = &c.kt[c.offset[seq] + kh * D * L16];
       float* v = &c.v[c.offset[seq] + kh * L16 * D];
       for (int64_t j = 0; j < n; ++j) {
         const int64_t pos = b * B + j;
         const T* kr = kb + j * row_stride;
-        float* kcol = kt + (pos / 16) * D * 16 + pos % 16;
-        for (int64_t d = 0; d < D; ++d) kcol[d * 16] = static_cast<float>(kr[d]);
+        if constexpr (kPairs) {  // 32-bit words (two dims) transposed as kt's floats are
+          uint16_t* kcol = &c.kp[c.offset[seq] + kh * D * L16 + (pos / 16) * D * 16 + (pos % 16) * 2];
+          for (int64_t p = 0; p < D / 2; ++p) std::memcpy(kcol + p * 32, kr + 2 * p, 2 * sizeof(T));
+        } else {
+          float* kcol = &c.kt[c.offset[seq] + kh * D * L16 + (pos / 16) * D * 16 + pos % 16];
+          for (int64_t d = 0; d < D; ++d) kcol[d * 16] = static_cast<float>(kr[d]);
+        }
         to_float(vb + j * row_stride, v + pos * D, static_cast<int>(D));
       }
     }
@@ -152,9 +169,10 @@ ConvertedSeqs convert_sequences(const T* kc, const T* vc, const std::vector<char
 struct TiledScratch {
   int64_t rows_pad;
   std::vector<float> qf, acc, m, l, alpha, scores;
+  std::vector<uint32_t> qp;  // the rows' stored bf16 bits by pairs of dims (kPairDot)
   TiledScratch(int64_t max_rows, int64_t D)
       : rows_pad(round_up(max_rows, kScoreRows)), qf(rows_pad * D, 0.f), acc(rows_pad * D), m(rows_pad),
-        l(rows_pad), alpha(rows_pad), scores(rows_pad * kKeyChunk) {}
+        l(rows_pad), alpha(rows_pad), scores(rows_pad * kKeyChunk), qp(rows_pad * D / 2, 0) {}
 };
 
 // One row's online-softmax step over a block's scores sr[0..n) of which the first `visible` count:
@@ -549,19 +567,30 @@ void attend_tile_gemm(const T* q, T* out, int64_t seq, int64_t q_begin, int64_t 
   constexpr int kPvRows = NV >= 16 ? 1 : std::min(kPvRowsMax, 16 / NV);  // P V micro-tile: kPvRows x kD accumulators
   static_assert(kScoreRows % kPvRows == 0, "P V row groups must tile the score row groups");
   constexpr int64_t KP = kKeyChunk;
-  const float* kt_all = keys.k_of(seq, kh);
+  constexpr bool pair_dot = kPairDot<T, kD>;
+  const float* kt_all = pair_dot ? nullptr : keys.k_of(seq, kh);
   const float* v_all = keys.v_of(seq, kh);
   const int64_t rows = nq * G, rows_pad = round_up(rows, kScoreRows);
   float* qf = s.qf.data();
   float* acc = s.acc.data();
   float* sc = s.scores.data();
   for (int64_t r = 0; r < rows_pad; ++r) {
-    float* qr = qf + r * kD;
-    if (r < rows) {
-      to_float(q + ((q_begin + r / G) * H + kh * G + r % G) * kD, qr, kD);
-      for (int d = 0; d < kD; ++d) qr[d] *= scale;
+    const T* qsrc = q + ((q_begin + r / G) * H + kh * G + r % G) * kD;
+    if constexpr (pair_dot) {  // the unscaled query's bits: the scale multiplies the scores
+      uint32_t* qr = s.qp.data() + r * (kD / 2);
+      if (r < rows) {
+        std::memcpy(qr, qsrc, kD * sizeof(T));
+      } else {
+        std::fill(qr, qr + kD / 2, 0u);  // padding rows: finite, never stored
+      }
     } else {
-      std::fill(qr, qr + kD, 0.f);  // padding rows: finite, never stored
+      float* qr = qf + r * kD;
+      if (r < rows) {
+        to_float(qsrc, qr, kD);
+        for (int d = 0; d < kD; ++d) qr[d] *= scale;
+      } else {
+        std::fill(qr, qr + kD, 0.f);  // padding rows: finite, never stored
+      }
     }
     s.m[r] = -std::numeric_limits<float>::infinity();
     s.l[r] = 0.f;
@@ -572,56 +601,96 @@ void attend_tile_gemm(const T* q, T* out, int64_t seq, int64_t q_begin, int64_t 
     const int64_t n = std::min<int64_t>(kKeyChunk, last_key - c0);
     // rows before r0 see no key of this chunk (causal): they are skipped whole micro-tiles at a time
     const int64_t r0 = std::max<int64_t>(0, c0 - first_pos) * G / kScoreRows * kScoreRows;
-    const float* kt = kt_all + c0 * kD;  // c0 is a multiple of 16
-    const float* vf = v_all + c0 * kD;
-    // scores = Q K^T: kScoreRows x 32 keys per micro-tile (16 accumulators: each broadcast q
-    // element feeds two FMAs), then a last 16 keys where n leaves them
-    for (int64_t r = r0; r < rows_pad; r += kScoreRows) {
-      const float* qr = qf + r * kD;
-      int64_t jc = 0;
-      for (; kScorePairs && jc + 32 <= n; jc += 32) {
-        v16 a[kScoreRows] = {}, b[kScoreRows] = {};
-        const float* k0 = kt + jc * kD;
-        for (int d = 0; d < kD; ++d) {
-          const v16 kv0 = *reinterpret_cast<const v16*>(k0 + d * 16);
-          const v16 kv1 = *reinterpret_cast<const v16*>(k0 + 16 * kD + d * 16);
-          for (int rr = 0; rr < kScoreRows; ++rr) {
-            const float x = qr[rr * kD + d];
-            a[rr] += x * kv0;
-            b[rr] += x * kv1;
+    const float* vf = v_all + c0 * kD;  // c0 is a multiple of 16
+    if constexpr (pair_dot) {
+#ifdef __AVX512BF16__
+      // scores = scale * Q K^T by bf16 pairs: kScoreRows x 32 keys per micro-tile, one VDPBF16PS
+      // per two dims (exact products, summed in float32), then a last 16 keys where n leaves them
+      const uint16_t* kp = keys.kp_of(seq, kh) + c0 * kD;
+      const __m512 vscale = _mm512_set1_ps(scale);
+      for (int64_t r = r0; r < rows_pad; r += kScoreRows) {
+        const uint32_t* qr = s.qp.data() + r * (kD / 2);
+        for (int64_t jc = 0; jc < n; jc += jc + 32 <= n ? 32 : 16) {
+          const bool two = jc + 32 <= n;  // 32 keys, else the last 16
+          __m512 a[kScoreRows], b[kScoreRows];
+          for (int rr = 0; rr < kScoreRows; ++rr) a[rr] = b[rr] = _mm512_setzero_ps();
+          const uint16_t* k0 = kp + jc * kD;
+          if (two) {
+            for (int p = 0; p < kD / 2; ++p) {
+              const __m512bh kv0 = (__m512bh)_mm512_loadu_si512(k0 + p * 32);
+              const __m512bh kv1 = (__m512bh)_mm512_loadu_si512(k0 + 16 * kD + p * 32);
+              for (int rr = 0; rr < kScoreRows; ++rr) {
+                const __m512bh x = (__m512bh)_mm512_set1_epi32(static_cast<int>(qr[rr * (kD / 2) + p]));
+                a[rr] = _mm512_dpbf16_ps(a[rr], x, kv0);
+                b[rr] = _mm512_dpbf16_ps(b[rr], x, kv1);
+              }
+            }
+          } else {
+            for (int p = 0; p < kD / 2; ++p) {
+              const __m512bh kv0 = (__m512bh)_mm512_loadu_si512(k0 + p * 32);
+              for (int rr = 0; rr < kScoreRows; ++rr)
+                a[rr] = _mm512_dpbf16_ps(a[rr], (__m512bh)_mm512_set1_epi32(static_cast<int>(qr[rr * (kD / 2) + p])),
+                                         kv0);
+            }
           }
-        }
-        for (int rr = 0; rr < kScoreRows; ++rr) {
-          *reinterpret_cast<v16*>(sc + (r + rr) * KP + jc) = a[rr];
-          *reinterpret_cast<v16*>(sc + (r + rr) * KP + jc + 16) = b[rr];
+          for (int rr = 0; rr < kScoreRows; ++rr) {
+            _mm512_storeu_ps(sc + (r + rr) * KP + jc, _mm512_mul_ps(a[rr], vscale));
+            if (two) _mm512_storeu_ps(sc + (r + rr) * KP + jc + 16, _mm512_mul_ps(b[rr], vscale));
+          }
         }
       }
-      for (; jc < n; jc += 16) {
-#if defined(__AVX2__) && !defined(__AVX512F__)
-        // 8-float registers (cpu_vec.h): kScoreRows x 16 keys in 2 x kScoreRows accumulators
-        __m256 lo[kScoreRows], hi[kScoreRows];
-        for (int rr = 0; rr < kScoreRows; ++rr) lo[rr] = hi[rr] = _mm256_setzero_ps();
-        const float* k0 = kt + jc * kD;
-        for (int d = 0; d < kD; ++d) {
-          const __m256 k_lo = _mm256_loadu_ps(k0 + d * 16), k_hi = _mm256_loadu_ps(k0 + d * 16 + 8);
+#endif
+    } else {
+      const float* kt = kt_all + c0 * kD;
+      // scores = Q K^T: kScoreRows x 32 keys per micro-tile (16 accumulators: each broadcast q
+      // element feeds two FMAs), then a last 16 keys where n leaves them
+      for (int64_t r = r0; r < rows_pad; r += kScoreRows) {
+        const float* qr = qf + r * kD;
+        int64_t jc = 0;
+        for (; kScorePairs && jc + 32 <= n; jc += 32) {
+          v16 a[kScoreRows] = {}, b[kScoreRows] = {};
+          const float* k0 = kt + jc * kD;
+          for (int d = 0; d < kD; ++d) {
+            const v16 kv0 = *reinterpret_cast<const v16*>(k0 + d * 16);
+            const v16 kv1 = *reinterpret_cast<const v16*>(k0 + 16 * kD + d * 16);
+            for (int rr = 0; rr < kScoreRows; ++rr) {
+              const float x = qr[rr * kD + d];
+              a[rr] += x * kv0;
+              b[rr] += x * kv1;
+            }
+          }
           for (int rr = 0; rr < kScoreRows; ++rr) {
-            const __m256 x = _mm256_broadcast_ss(qr + rr * kD + d);
-            lo[rr] = _mm256_fmadd_ps(x, k_lo, lo[rr]);
-            hi[rr] = _mm256_fmadd_ps(x, k_hi, hi[rr]);
+            *reinterpret_cast<v16*>(sc + (r + rr) * KP + jc) = a[rr];
+            *reinterpret_cast<v16*>(sc + (r + rr) * KP + jc + 16) = b[rr];
           }
         }
-        for (int rr = 0; rr < kScoreRows; ++rr) {
-          _mm256_storeu_ps(sc + (r + rr) * KP + jc, lo[rr]);
-          _mm256_storeu_ps(sc + (r + rr) * KP + jc + 8, hi[rr]);
-        }
+        for (; jc < n; jc += 16) {
+#if defined(__AVX2__) && !defined(__AVX512F__)
+          // 8-float registers (cpu_vec.h): kScoreRows x 16 keys in 2 x kScoreRows accumulators
+          __m256 lo[kScoreRows], hi[kScoreRows];
+          for (int rr = 0; rr < kScoreRows; ++rr) lo[rr] = hi[rr] = _mm256_setzero_ps();
+          const float* k0 = kt + jc * kD;
+          for (int d = 0; d < kD; ++d) {
+            const __m256 k_lo = _mm256_loadu_ps(k0 + d * 16), k_hi = _mm256_loadu_ps(k0 + d * 16 + 8);
+            for (int rr = 0; rr < kScoreRows; ++rr) {
+              const __m256 x = _mm256_broadcast_ss(qr + rr * kD + d);
+              lo[rr] = _mm256_fmadd_ps(x, k_lo, lo[rr]);
+              hi[rr] = _mm256_fmadd_ps(x, k_hi, hi[rr]);
+            }
+          }
+          for (int rr = 0; rr < kScoreRows; ++rr) {
+            _mm256_storeu_ps(sc + (r + rr) * KP + jc, lo[rr]);
+            _mm256_storeu_ps(sc + (r + rr) * KP + jc + 8, hi[rr]);
+          }
 #else
-        v16 a[kScoreRows] = {};
-        for (int d = 0; d < kD; ++d) {
-          const v16 kv = *reinterpret_cast<const v16*>(kt + jc * kD + d * 16);
-          for (int rr = 0; rr < kScoreRows; ++rr) a[rr] += qr[rr * kD + d] * kv;
-        }
-        for (int rr = 0; rr < kScoreRows; ++rr) *reinterpret_cast<v16*>(sc + (r + rr) * KP + jc) = a[rr];
+          v16 a[kScoreRows] = {};
+          for (int d = 0; d < kD; ++d) {
+            const v16 kv = *reinterpret_cast<const v16*>(kt + jc * kD + d * 16);
+            for (int rr = 0; rr < kScoreRows; ++rr) a[rr] += qr[rr * kD + d] * kv;
+          }
+          for (int rr = 0; rr < kScoreRows; ++rr) *reinterpret_cast<v16*>(sc + (r + rr) * KP + jc) = a[rr];
 #endif
+        }
       }
     }
     // online softmax per row; masked keys (and rows that see none) get p = 0, alpha = 1
@@ -714,7 +783,7 @@ void attention_kernel(const T* q, const T* kc, const T* vc, T* out, const int64_
   const int64_t D = kD > 0 ? kD : head_dim;
   const int64_t G = H / KH;
   // decode scores by bf16 dot products on the cache's bits (kBf16Dot above)
-  constexpr bool bf16_dot = kBf16Dot && std::is_same_v<T, c10::BFloat16> && kD > 0 && kD % 32 == 0;
+  constexpr bool bf16_dot = kPairDot<T, kD>;
   std::vector<Tile> tiles;
   for (int64_t s = 0; s < num_seqs; ++s) {
     if (skip != nullptr && skip[s]) continue;  // attended elsewhere (dense_prefill)
@@ -734,7 +803,8 @@ void attention_kernel(const T* q, const T* kc, const T* vc, T* out, const int64_
     few[i] = kFew && !tiled[i] && (tiles[i].q_end - tiles[i].q_begin) * G <= kFewRows;
     wanted[tiles[i].seq] = wanted[tiles[i].seq] || tiled[i];
   }
-  const ConvertedSeqs converted = convert_sequences(kc, vc, wanted, seq_lens, tables, max_blocks, KH, D, B);
+  const ConvertedSeqs converted =
+      convert_sequences<T, bf16_dot>(kc, vc, wanted, seq_lens, tables, max_blocks, KH, D, B);
   const std::vector<int64_t> order = schedule(tiles, tiled, qsl, seq_lens, KH);
   const int64_t num_items = static_cast<int64_t>(order.size());
 
