@@ -137,14 +137,15 @@ def test_fused_rope_store_attend_equals_the_unfused_path(backend, dtype):
 def test_compiled_head_dims_match_dense(monkeypatch, head_dim, dtype):
     """Head dims 32 (the tests above), 64 and 128 take the paths compiled for them: decode rows by
     dot products, prefill tiles of 8+ rows by register-tiled small GEMMs (on AVX-512 BF16, a bf16
-    cache's Q K^T by bf16 pairs, 32 keys then a last 16 per 64-key chunk: 61 keys end on two 16s);
-    48 is the generic loop."""
+    cache's Q K^T and P V by bf16 pairs, 32 keys then a last 16 per 64-key chunk: 61 keys end on two
+    16s and an odd pair; 45 new tokens after 55 cached: the first tile's last chunk holds 7 keys, which
+    its first rows do not see, and the key after them is real); 48 is the generic loop."""
     import tests.unit.test_reference_attention as tra
 
     monkeypatch.setattr(tra, "HEAD_DIM", head_dim)
     backend = CpuBackend(head_dim ** -0.5, load_cpu_kernel())
-    run_and_compare([(1, 1), (B + 1, 1), (2048, 1), (300, 40), (33, 33), (61, 61)], num_heads=9, num_kv_heads=3,
-                    dtype=dtype, backend=backend)
+    run_and_compare([(1, 1), (B + 1, 1), (2048, 1), (300, 40), (33, 33), (61, 61), (100, 45)],
+                    num_heads=9, num_kv_heads=3, dtype=dtype, backend=backend)
 
 
 def test_out_of_pool_indices_raise_instead_of_touching_memory(backend):

@@ -29,8 +29,9 @@ EXTENSION = CppExtension("pagedllm_cpu", Path(__file__).parent / "csrc" / "paged
 
 
 # Fresh bf16 prefills (no cached prefix) of at least this many rows attend through torch's SDPA
-# (its flash-attention kernel: bf16 GEMMs on AMX tiles) on AMX CPUs; elsewhere unmeasured, so never
-# (0). The figures: docs/design.md, "Figures behind the code's choices".
+# (its flash-attention kernel: bf16 GEMMs on AMX tiles) on AMX CPUs; never (0) elsewhere: slower than
+# the kernel on AVX-512 BF16 at every setting tried, unmeasured on the other families. The figures:
+# docs/design.md, "Figures behind the code's choices".
 DENSE_PREFILL_MIN_ROWS = {"amx": 128}
 
 

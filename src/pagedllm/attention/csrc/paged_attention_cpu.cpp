@@ -103,17 +103,19 @@ inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 // call (not once per query tile) and laid out for it: per (sequence, kv head), K transposed in
 // groups of 16 positions, [L16 / 16][D][16] (L16 = its length rounded up to 16, the tail zero: a
 // micro-tile reads one contiguous 4 KiB run, not 64 rows 4 KiB apart), and V as [L16][D]. Key
-// chunks then span block boundaries. Where the tiled Q K^T runs on bf16 pairs (kBf16Dot, a bf16
-// cache: attend_tile_gemm), K stays in its stored bits instead, transposed by pairs of dims:
-// kp [L16 / 16][D / 2][16][2], one 64-byte vector per pair of dims of 16 keys, and kt is empty.
+// chunks then span block boundaries. Where the tiled path runs on bf16 pairs (kPairDot: a bf16
+// cache, attend_tile_gemm), K and V stay in their stored bits instead: K transposed by pairs of
+// dims, kp [L16 / 16][D / 2][16][2] (one 64-byte vector per pair of dims of 16 keys), V by pairs
+// of positions, vp [L16 / 2][D][2] (16 dims of two keys per vector); kt and v are empty.
 struct ConvertedSeqs {
   int64_t D;
   std::vector<int64_t> offset, len16;  // per sequence (offset -1: not converted)
   std::vector<float> kt, v;
-  std::vector<uint16_t> kp;
+  std::vector<uint16_t> kp, vp;
   const float* k_of(int64_t seq, int64_t kh) const { return &kt[offset[seq] + kh * D * len16[seq]]; }
   const uint16_t* kp_of(int64_t seq, int64_t kh) const { return &kp[offset[seq] + kh * D * len16[seq]]; }
   const float* v_of(int64_t seq, int64_t kh) const { return &v[offset[seq] + kh * len16[seq] * D]; }
+  const uint16_t* vp_of(int64_t seq, int64_t kh) const { return &vp[offset[seq] + kh * len16[seq] * D]; }
 };
 
 template <typename T, bool kPairs = false>
@@ -133,10 +135,11 @@ ConvertedSeqs convert_sequences(const T* kc, const T* vc, const std::vector<char
   if (blocks.empty()) return c;
   if constexpr (kPairs) {
     c.kp.assign(total, 0);
+    c.vp.assign(total, 0);
   } else {
     c.kt.assign(total, 0.f);
+    c.v.assign(total, 0.f);
   }
-  c.v.assign(total, 0.f);
   const int64_t n_items = static_cast<int64_t>(blocks.size()) * KH;
   const int64_t row_stride = KH * D, block_stride = B * KH * D;
   at::parallel_for(0, n_items, 16, [&](int64_t begin, int64_t end) {
@@ -147,18 +150,20 @@ ConvertedSeqs convert_sequences(const T* kc, const T* vc, const std::vector<char
       const int64_t phys = tables[seq * max_blocks + b];
       const T* kb = kc + phys * block_stride + kh * D;
       const T* vb = vc + phys * block_stride + kh * D;
-      float* v = &c.v[c.offset[seq] + kh * L16 * D];
       for (int64_t j = 0; j < n; ++j) {
         const int64_t pos = b * B + j;
         const T* kr = kb + j * row_stride;
-        if constexpr (kPairs) {  // 32-bit words (two dims) transposed as kt's floats are
+        const T* vr = vb + j * row_stride;
+        if constexpr (kPairs) {  // K: 32-bit words (two dims) transposed as kt's floats are
           uint16_t* kcol = &c.kp[c.offset[seq] + kh * D * L16 + (pos / 16) * D * 16 + (pos % 16) * 2];
           for (int64_t p = 0; p < D / 2; ++p) std::memcpy(kcol + p * 32, kr + 2 * p, 2 * sizeof(T));
+          uint16_t* vpair = &c.vp[c.offset[seq] + kh * L16 * D + (pos / 2) * 2 * D + pos % 2];
+          for (int64_t d = 0; d < D; ++d) std::memcpy(vpair + 2 * d, vr + d, sizeof(T));
         } else {
           float* kcol = &c.kt[c.offset[seq] + kh * D * L16 + (pos / 16) * D * 16 + pos % 16];
           for (int64_t d = 0; d < D; ++d) kcol[d * 16] = static_cast<float>(kr[d]);
+          to_float(vr, &c.v[c.offset[seq] + kh * L16 * D + pos * D], static_cast<int>(D));
         }
-        to_float(vb + j * row_stride, v + pos * D, static_cast<int>(D));
       }
     }
   });
@@ -170,9 +175,11 @@ struct TiledScratch {
   int64_t rows_pad;
   std::vector<float> qf, acc, m, l, alpha, scores;
   std::vector<uint32_t> qp;  // the rows' stored bf16 bits by pairs of dims (kPairDot)
+  std::vector<uint16_t> pp;  // a chunk's p rounded to bf16, kKeyChunk per row (kPairDot)
   TiledScratch(int64_t max_rows, int64_t D)
       : rows_pad(round_up(max_rows, kScoreRows)), qf(rows_pad * D, 0.f), acc(rows_pad * D), m(rows_pad),
-        l(rows_pad), alpha(rows_pad), scores(rows_pad * kKeyChunk), qp(rows_pad * D / 2, 0) {}
+        l(rows_pad), alpha(rows_pad), scores(rows_pad * kKeyChunk), qp(rows_pad * D / 2, 0),
+        pp(rows_pad * kKeyChunk, 0) {}
 };
 
 // One row's online-softmax step over a block's scores sr[0..n) of which the first `visible` count:
@@ -569,7 +576,7 @@ void attend_tile_gemm(const T* q, T* out, int64_t seq, int64_t q_begin, int64_t 
   constexpr int64_t KP = kKeyChunk;
   constexpr bool pair_dot = kPairDot<T, kD>;
   const float* kt_all = pair_dot ? nullptr : keys.k_of(seq, kh);
-  const float* v_all = keys.v_of(seq, kh);
+  const float* v_all = pair_dot ? nullptr : keys.v_of(seq, kh);
   const int64_t rows = nq * G, rows_pad = round_up(rows, kScoreRows);
   float* qf = s.qf.data();
   float* acc = s.acc.data();
@@ -601,8 +608,7 @@ void attend_tile_gemm(const T* q, T* out, int64_t seq, int64_t q_begin, int64_t 
     const int64_t n = std::min<int64_t>(kKeyChunk, last_key - c0);
     // rows before r0 see no key of this chunk (causal): they are skipped whole micro-tiles at a time
     const int64_t r0 = std::max<int64_t>(0, c0 - first_pos) * G / kScoreRows * kScoreRows;
-    const float* vf = v_all + c0 * kD;  // c0 is a multiple of 16
-    if constexpr (pair_dot) {
+    if constexpr (pair_dot) {  // c0 is a multiple of 16
 #ifdef __AVX512BF16__
       // scores = scale * Q K^T by bf16 pairs: kScoreRows x 32 keys per micro-tile, one VDPBF16PS
       // per two dims (exact products, summed in float32), then a last 16 keys where n leaves them
@@ -698,13 +704,46 @@ void attend_tile_gemm(const T* q, T* out, int64_t seq, int64_t q_begin, int64_t 
       float* sr = sc + r * KP;
       const int64_t visible = r < rows ? std::min<int64_t>(n, first_pos + r / G - c0 + 1) : 0;
       if (visible <= 0) {
-        std::fill(sr, sr + n, 0.f);
+        std::fill(sr, sr + round_up(n, 16), 0.f);  // as the masked lanes: the pair path reads p[n] for odd n
         s.alpha[r] = 1.f;
         continue;
       }
       s.alpha[r] = softmax_step(sr, n, visible, s.m[r], s.l[r]);
     }
     // acc = alpha * acc + P V: kPvRows rows x kD, the accumulators stay in registers over the chunk
+    if constexpr (pair_dot) {
+#ifdef __AVX512BF16__
+      // p rounded to bf16 (as torch's bf16 attention rounds its probabilities), then one VDPBF16PS
+      // per two keys: ceil(n / 2) pairs, an odd n's last pair padded by p[n] = 0 (a masked lane)
+      const int64_t pairs = (n + 1) / 2;
+      const uint16_t* vp = keys.vp_of(seq, kh) + c0 * kD;
+      for (int64_t r = r0; r < rows_pad; ++r)
+        for (int64_t jc = 0; jc < pairs * 2; jc += 32)
+          _mm512_storeu_si512(s.pp.data() + r * KP + jc,
+                              (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(sc + r * KP + jc + 16),
+                                                           _mm512_loadu_ps(sc + r * KP + jc)));
+      for (int64_t r = r0; r < rows_pad; r += kPvRows) {
+        __m512 a[kPvRows][NV];
+        for (int rr = 0; rr < kPvRows; ++rr)
+          for (int v = 0; v < NV; ++v)
+            a[rr][v] = _mm512_mul_ps(_mm512_loadu_ps(acc + (r + rr) * kD + 16 * v), _mm512_set1_ps(s.alpha[r + rr]));
+        for (int64_t j = 0; j < pairs; ++j) {
+          __m512bh vv[NV];
+          for (int v = 0; v < NV; ++v) vv[v] = (__m512bh)_mm512_loadu_si512(vp + j * 2 * kD + 32 * v);
+          for (int rr = 0; rr < kPvRows; ++rr) {
+            int32_t bits;
+            std::memcpy(&bits, s.pp.data() + (r + rr) * KP + 2 * j, sizeof(bits));
+            const __m512bh p = (__m512bh)_mm512_set1_epi32(bits);
+            for (int v = 0; v < NV; ++v) a[rr][v] = _mm512_dpbf16_ps(a[rr][v], p, vv[v]);
+          }
+        }
+        for (int rr = 0; rr < kPvRows; ++rr)
+          for (int v = 0; v < NV; ++v) _mm512_storeu_ps(acc + (r + rr) * kD + 16 * v, a[rr][v]);
+      }
+#endif
+      continue;
+    }
+    const float* vf = v_all + c0 * kD;
 #if defined(__AVX2__) && !defined(__AVX512F__)
     for (int64_t r = r0; r < rows_pad; ++r) {  // one row: kD / 8 accumulators
       constexpr int NA = kD / 8;
