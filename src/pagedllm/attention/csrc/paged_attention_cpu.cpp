@@ -83,17 +83,17 @@ constexpr int kKeyChunk = 64;   // keys per online-softmax step of the tiled pat
 
 // AVX512-BF16 (Zen 4, Sapphire Rapids and later): the Q K^T of a bf16 cache takes its dot products
 // on the stored bits (VDPBF16PS: pairs of bf16 products, exact in float32, summed in float32), so
-// the decode paths never convert a block's keys, and the tiled path's micro-tiles take half the
-// instructions of float32 FMAs. Not bit-equal to the float32 dot product of the other families
-// (another summation order, denormals read as zero): within the tests' bf16 tolerance, and the
-// scale is applied to the score instead of the query.
+// the decode paths never convert a block's keys, and the tiled path's Q K^T micro-tiles take half
+// the instructions of float32 FMAs (its P V too: kPairDot). Not bit-equal to the float32 dot
+// product of the other families (another summation order, denormals read as zero): within the
+// tests' bf16 tolerance, and the scale is applied to the score instead of the query.
 #ifdef __AVX512BF16__
 constexpr bool kBf16Dot = true;
 #else
 constexpr bool kBf16Dot = false;
 #endif
-// Whether a cache of T at head dim kD takes its scores by bf16 pairs: the decode paths of
-// attention_kernel, and the tiled path's Q K^T micro-tiles (attend_tile_gemm).
+// Whether a cache of T at head dim kD runs on bf16 pairs: the decode paths' scores (attention_kernel),
+// and the tiled path's Q K^T and P V micro-tiles (attend_tile_gemm, its probabilities rounded to bf16).
 template <typename T, int kD>
 constexpr bool kPairDot = kBf16Dot && std::is_same_v<T, c10::BFloat16> && kD > 0 && kD % 32 == 0;
 
