@@ -116,10 +116,12 @@ def test_each_family_gets_its_measured_kernel_plan(family):
     fp32 = plan_kernels(CpuFeatures.for_family(family), torch.float32)
     assert fp32.compute == torch.float32 and not fp32.pack and not fp32.widened  # MKL's sgemm, as HF
     # torch's int4 kernel with float32 activations: 7x slower than the dense GEMM on AVX2
-    assert (fp32.int4_rows, fp32.q8_0_rows) == ((8, 8) if family in ("amx", "avx512_bf16", "avx512") else (0, 16))
-    # our C++ 4-bit kernel where its AVX2 body beats torch's int4 one; torch's elsewhere
-    # and our AVX-512 BF16 tile kernel for bf16 models with BF16 dot products (AMX keeps torch's at 1 row)
-    assert fp32.int4_kernel == ("cpp" if family == "avx2" else "torch")
+    assert (fp32.int4_rows, fp32.q8_0_rows) == ((32, 32) if family in ("amx", "avx512_bf16", "avx512") else (0, 16))
+    # our C++ 4-bit kernel where its AVX2 body beats torch's int4 one, and for float32 activations
+    # wherever a float32 model runs 4-bit blocks (torch's took 10x as long per step on AVX-512 BF16);
+    # torch's elsewhere, and our AVX-512 BF16 tile kernel for bf16 models with BF16 dot products (AMX
+    # keeps torch's at 1 row)
+    assert fp32.int4_kernel == ("cpp" if family in ("amx", "avx512_bf16", "avx512", "avx2") else "torch")
     assert plan.int4_kernel == {"avx2": "cpp", "avx512_bf16": "tiles"}.get(family, "torch")
     assert ("int4 (C++) <= 16 rows" in plan.describe()) == (family == "avx2")
     assert ("int4 (C++ BF16 tiles) <= 16 rows" in plan.describe()) == (family == "avx512_bf16")

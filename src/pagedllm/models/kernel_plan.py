@@ -21,11 +21,12 @@ trying and catching:
 The crossovers and budgets per family (the figures that chose them, with machines and commands:
 docs/design.md, "Figures behind the code's choices"): AVX-512 with BF16: a bf16 model's 4-bit and
 Q8_0 blocks on our tile kernels (``csrc/bf16_tiles.h``, VDPBF16PS) up to 16 rows, other dtypes' up
-to 8 rows. AMX: a bf16 model runs the 4-bit kernel at 1 row only and never the Q8_0 head;
+to 8 rows; a float32 model's on our C++ 4-bit and Q8_0 kernels up to 32 rows (on every AVX-512
+family; measured on AVX-512 BF16). AMX: a bf16 model runs the 4-bit kernel at 1 row only and never the Q8_0 head;
 ``step_tokens`` 2,048. AVX-512 without BF16: the 4-bit kernel up to 16 rows, the natively packed
 bf16 head at 1 row. AVX2 without AVX-512: our C++ 4-bit kernel and the Q8_0 head up to 16 rows,
-the panel GEMM for widened models; a float32 model never runs the 4-bit kernel. The float32
-crossovers on AVX-512 (8 rows) are those of the first engine, not re-measured.
+the panel GEMM for widened models; a float32 model never runs the 4-bit kernel there (unmeasured
+with ours).
 """
 
 from __future__ import annotations
@@ -111,6 +112,10 @@ def plan_kernels(cpu: CpuFeatures, dtype: torch.dtype) -> KernelPlan:
         # our BF16 tile kernels: 12- and 16-row decode steps ran 1-8% faster with them up to 16 rows
         # than with the dense GEMMs past 8 (docs/design.md); speculation then verifies up to 16 rows exactly
         int4_rows, q8_0_rows, native_head = 16, 16, 0
+    elif dtype == torch.float32:
+        # AVX-512 families: float32 activations on our C++ 4-bit and Q8_0 kernels, whose steps of
+        # 12-32 rows ran 1.3-2.3x faster than the dense float32 GEMMs' (docs/design.md)
+        int4_rows, q8_0_rows, native_head = 32, 32, 0
     elif not widened:
         int4_rows, q8_0_rows, native_head = 8, 8, 0
     elif cpu.avx512:
@@ -120,11 +125,13 @@ def plan_kernels(cpu: CpuFeatures, dtype: torch.dtype) -> KernelPlan:
         int4_rows, q8_0_rows, native_head = 16, 16, 0
     else:  # narrower (neon, sve, baseline): torch's 4-bit kernel, the AVX2 crossovers otherwise (untested)
         int4_rows, q8_0_rows, native_head = 8, 16, 0
-    # our C++ 4-bit kernel has an AVX2 body that beats torch's int4 kernel there; with AVX-512 BF16
-    # dot products, our tile kernel beats it for bfloat16 models, and its Q8_0 twin our float32 Q8_0
-    # kernel (bench matmul figures: docs/design.md, "Figures behind the code's choices"); elsewhere torch's
+    # our C++ 4-bit kernel has an AVX2 body that beats torch's int4 kernel there, and on AVX-512 for
+    # float32 activations (torch's has no fast body for them: 10x slower decode steps); with AVX-512
+    # BF16 dot products, our tile kernel beats it for bfloat16 models, and its Q8_0 twin our float32
+    # Q8_0 kernel (figures: docs/design.md, "Figures behind the code's choices"); elsewhere torch's
     tiles = cpu.family == "avx512_bf16" and dtype == torch.bfloat16 and not widened
-    int4_kernel = "cpp" if cpu.family == "avx2" else "tiles" if tiles else "torch"
+    cpp = cpu.family == "avx2" or (dtype == torch.float32 and cpu.avx512)
+    int4_kernel = "cpp" if cpp else "tiles" if tiles else "torch"
     # AMX tiles run oneDNN's bf16 GEMM at half speed below ~2,048 rows for some of the projections
     # (the module docstring): steps of 2,048 tokens prefill 15-40% faster there
     step_tokens = 2048 if not widened and cpu.family == "amx" and dtype == torch.bfloat16 else DEFAULT_STEP_TOKENS
