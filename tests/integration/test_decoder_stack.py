@@ -88,6 +88,7 @@ def gguf_blocks(folder: str, kind: str) -> dict:
     ("qwen2", "bfloat16", None, True),     # bf16 packed as bf16: the path of a CPU with AVX512-BF16 or AMX
     ("llama", "float16", None, False),     # float16 rounding between the ops (widened where the CPU lacks fp16 GEMMs)
     ("qwen2", "float32", "Q4_1", False),   # our C++ 4-bit kernel for small steps, with the bias added after it
+    ("llama", "float16", "Q4_1", False),   # the same with float16 activations (the AVX-512 plans' kernel for them)
     ("llama", "bfloat16", "Q4_0", True),   # torch's 4-bit kernel
     ("llama", "bfloat16", "Q8_0", False),  # our Q8_0 kernel (attached even where its crossover is 0 rows)
     ("qwen2", "bfloat16", "Q4_1 tiles", True),  # our AVX-512 BF16 tile kernels (skipped where the build lacks them)

@@ -20,9 +20,10 @@ trying and catching:
 
 The crossovers and budgets per family (the figures that chose them, with machines and commands:
 docs/design.md, "Figures behind the code's choices"): AVX-512 with BF16: a bf16 model's 4-bit and
-Q8_0 blocks on our tile kernels (``csrc/bf16_tiles.h``, VDPBF16PS) up to 16 rows, other dtypes' up
-to 8 rows; a float32 model's on our C++ 4-bit and Q8_0 kernels up to 32 rows (on every AVX-512
-family; measured on AVX-512 BF16). AMX: a bf16 model runs the 4-bit kernel at 1 row only and never the Q8_0 head;
+Q8_0 blocks on our tile kernels (``csrc/bf16_tiles.h``, VDPBF16PS) up to 16 rows. Every AVX-512
+family (measured on AVX-512 BF16): a float32 model's on our C++ 4-bit and Q8_0 kernels up to 32
+rows; a float16 model's 4-bit blocks on our C++ kernel too (torch's int4 kernel is fast with bf16
+activations only). AMX: a bf16 model runs the 4-bit kernel at 1 row only and never the Q8_0 head;
 ``step_tokens`` 2,048. AVX-512 without BF16: the 4-bit kernel up to 16 rows, the natively packed
 bf16 head at 1 row. AVX2 without AVX-512: our C++ 4-bit kernel and the Q8_0 head up to 16 rows,
 the panel GEMM for widened models; a float32 model never runs the 4-bit kernel there (unmeasured
@@ -126,11 +127,11 @@ def plan_kernels(cpu: CpuFeatures, dtype: torch.dtype) -> KernelPlan:
     else:  # narrower (neon, sve, baseline): torch's 4-bit kernel, the AVX2 crossovers otherwise (untested)
         int4_rows, q8_0_rows, native_head = 8, 16, 0
     # our C++ 4-bit kernel has an AVX2 body that beats torch's int4 kernel there, and on AVX-512 for
-    # float32 activations (torch's has no fast body for them: 10x slower decode steps); with AVX-512
+    # float32 and float16 activations (torch's is fast for bf16 ones only: 10x slower steps); with AVX-512
     # BF16 dot products, our tile kernel beats it for bfloat16 models, and its Q8_0 twin our float32
     # Q8_0 kernel (figures: docs/design.md, "Figures behind the code's choices"); elsewhere torch's
     tiles = cpu.family == "avx512_bf16" and dtype == torch.bfloat16 and not widened
-    cpp = cpu.family == "avx2" or (dtype == torch.float32 and cpu.avx512)
+    cpp = cpu.family == "avx2" or (dtype != torch.bfloat16 and cpu.avx512)
     int4_kernel = "cpp" if cpp else "tiles" if tiles else "torch"
     # AMX tiles run oneDNN's bf16 GEMM at half speed below ~2,048 rows for some of the projections
     # (the module docstring): steps of 2,048 tokens prefill 15-40% faster there
