@@ -134,15 +134,19 @@ def test_tiny_checkpoints_equal_the_python_loop(tmp_path, monkeypatch, arch, dty
     assert_stack_equals_python_loop(llm, prompts)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_int8_weights_equal_the_python_loop(tmp_path, dtype):
-    """quantization="int8": the int8 kernel for steps of up to 16 rows, the weight dequantized per
-    call above (prompts of 30 and 70 tokens, steps of 64): both in C++, bit for bit the Python loop."""
+    """quantization="int8": the int8 kernel for steps of up to 16 rows (torch's for bf16 rows; on
+    AVX-512 our C++ Q8_0 kernel for float32 and float16 ones, the plan's int8_kernel), the weight
+    dequantized per call above (prompts of 30 and 70 tokens, steps of 64): both in C++, bit for bit
+    the Python loop."""
     folder = make_tiny_checkpoint(tmp_path / "llama", "llama")
     llm = LLM(model=folder, dtype=dtype, quantization="int8", block_size=8, num_kv_blocks=128,
               max_num_batched_tokens=64, attention_backend="cpu", enable_prefix_caching=False)
     down = llm.engine.runner.model.layers[0].mlp.down_proj
     assert isinstance(down.small_batch, Int8ChannelMatmul) and down.weight is None and down.max_rows == 16
+    blocks = llm.engine.kernel_plan.int8_kernel == "cpp" and dtype != "bfloat16"
+    assert down.small_batch.runs_blocks(getattr(torch, dtype)) == blocks
     assert_stack_equals_python_loop(llm, prompts_for(512))
 
 

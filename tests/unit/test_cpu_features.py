@@ -125,6 +125,11 @@ def test_each_family_gets_its_measured_kernel_plan(family):
     # float16 activations likewise (torch's: 113 / 940 ms decode steps at batch 1 / 8 on AVX-512 BF16)
     fp16 = plan_kernels(CpuFeatures.for_family(family), torch.float16)
     assert fp16.int4_kernel == ("cpp" if family in ("amx", "avx512_bf16", "avx512", "avx2") else "torch")
+    # quantization="int8": torch's int8 kernel for bf16 rows, our C++ Q8_0 kernel for float32/float16
+    # ones on AVX-512 (torch's took 458 / 532 ms steps at batch 8 there; unmeasured elsewhere)
+    avx512 = family in ("amx", "avx512_bf16", "avx512")
+    assert (fp32.int8_kernel, fp16.int8_kernel, plan.int8_kernel) == (("cpp", "cpp", "torch") if avx512 else
+                                                                      ("torch", "torch", "torch"))
     assert plan.int4_kernel == {"avx2": "cpp", "avx512_bf16": "tiles"}.get(family, "torch")
     assert ("int4 (C++) <= 16 rows" in plan.describe()) == (family == "avx2")
     assert ("int4 (C++ BF16 tiles) <= 16 rows" in plan.describe()) == (family == "avx512_bf16")

@@ -15,6 +15,7 @@ from pagedllm.models.quantized_linear import (
     Int4Matmul,
     Int4TileMatmul,
     Int8BlockMatmul,
+    Int8ChannelMatmul,
     Int8TileMatmul,
     Linear,
     pack_panels,
@@ -108,6 +109,22 @@ def test_cpp_int4_matmul_equals_dense_at_every_row_count(ops, kind, dtype):
         close(out, x[:rows].float() @ dense.T, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_int8_channel_weights_on_our_q8_0_kernel_equal_the_dequantized_product(ops, dtype):
+    """quantization="int8" where the plan's int8_kernel is "cpp": float32 and float16 rows run our
+    Q8_0 kernel, the channel's scale on each 32-input block (bf16 rows keep torch's int8 kernel);
+    the result is the dequantized weight's product up to float32 summation order."""
+    gen = torch.Generator().manual_seed(3)
+    kernel = Int8ChannelMatmul.quantize(torch.randn(80, 288, generator=gen), ops)
+    assert kernel.runs_blocks(dtype) and not kernel.runs_blocks(torch.bfloat16)
+    assert not Int8ChannelMatmul.quantize(torch.randn(80, 288, generator=gen)).runs_blocks(dtype)  # no C++ ops
+    x = torch.randn(5, 288, generator=gen).to(dtype)
+    out = kernel(x)
+    assert out.dtype == dtype
+    exact = (x.double() @ kernel.dequantize(torch.float32).double().T).to(dtype)
+    close(out, exact, dtype)
+
+
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
 def test_small_step_kernels_compute_each_row_alone_bit_for_bit(ops, kind):
     """A row's result is the same whatever rows share its call (speculative decoding verifies a
@@ -118,7 +135,7 @@ def test_small_step_kernels_compute_each_row_alone_bit_for_bit(ops, kind):
     x = torch.randn(32, 288, generator=torch.Generator().manual_seed(6))
     q8_blocks, _ = gguf_weight("Q8_0", 80, 288, seed=6)
     kernels = [quantized_matmul(blocks, torch.float32, ops, "cpp"), Int8BlockMatmul(q8_blocks, ops),
-               Int4Matmul(blocks, torch.bfloat16)]
+               Int4Matmul(blocks, torch.bfloat16), Int8ChannelMatmul.quantize(blocks.dequantize(), ops)]
     if ops.has_bf16_tiles():  # AVX-512 BF16 builds: our tile kernels, 8 rows per unpacked tile and more
         kernels += [quantized_matmul(blocks, torch.bfloat16, ops, "tiles"),
                     quantized_matmul(q8_blocks, torch.bfloat16, ops, q8_0_kernel="tiles")]

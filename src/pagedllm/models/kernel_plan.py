@@ -17,6 +17,8 @@ trying and catching:
   GEMM, per family (measured with ``pagedllm bench matmul``; docs/benchmarks.md);
 - ``head``: what a 1-row LM head runs where the Q8_0 kernel does not: the bf16 weight packed
   natively (AVX-512 without BF16: half float32's bytes), else the dense kernel.
+- ``int8_kernel``: ``quantization="int8"``'s small-step kernel: torch's weight-only int8 matmul, or
+  on AVX-512 for float32/float16 models our C++ Q8_0 kernel (torch's is fast with bf16 rows only).
 
 The crossovers and budgets per family (the figures that chose them, with machines and commands:
 docs/design.md, "Figures behind the code's choices"): AVX-512 with BF16: a bf16 model's 4-bit and
@@ -58,6 +60,8 @@ class KernelPlan:
     dense_kernel: str = "onednn"  # "onednn" (packed per `pack`, or plain) or "panels" (the AVX2 panel GEMM)
     int8_rows: int = DEFAULT_INT8_ROWS  # quantization="int8": its int8 kernel up to this many rows
     q8_0_kernel: str = "cpp"     # the Q8_0 kernel: "cpp" (our q8_0_linear) or "tiles" (q8_0_tiles_linear)
+    int8_kernel: str = "torch"   # quantization="int8": "torch" (its weight-only int8 matmul) or "cpp" (our
+    #                              q8_0_linear, the channel's scale on every 32-input block)
 
     def __post_init__(self) -> None:
         if min(self.int4_rows, self.q8_0_rows, self.native_head_rows, self.int8_rows) < 0:
@@ -68,6 +72,8 @@ class KernelPlan:
             raise ValueError(f"int4_kernel must be one of {INT4_KERNELS}, got {self.int4_kernel!r}")
         if self.q8_0_kernel not in ("cpp", "tiles"):
             raise ValueError(f"q8_0_kernel must be 'cpp' or 'tiles', got {self.q8_0_kernel!r}")
+        if self.int8_kernel not in ("torch", "cpp"):
+            raise ValueError(f"int8_kernel must be 'torch' or 'cpp', got {self.int8_kernel!r}")
         if "tiles" in (self.int4_kernel, self.q8_0_kernel) and self.dtype != torch.bfloat16:
             raise ValueError("the tile kernels take bfloat16 rows only")
         if self.dense_kernel not in ("onednn", "panels"):
@@ -132,6 +138,8 @@ def plan_kernels(cpu: CpuFeatures, dtype: torch.dtype) -> KernelPlan:
     # Q8_0 kernel (figures: docs/design.md, "Figures behind the code's choices"); elsewhere torch's
     tiles = cpu.family == "avx512_bf16" and dtype == torch.bfloat16 and not widened
     cpp = cpu.family == "avx2" or (dtype != torch.bfloat16 and cpu.avx512)
+    # torch's weight-only int8 kernel likewise: fast with bf16 activations only (docs/design.md)
+    int8_kernel = "cpp" if dtype != torch.bfloat16 and cpu.avx512 else "torch"
     int4_kernel = "cpp" if cpp else "tiles" if tiles else "torch"
     # AMX tiles run oneDNN's bf16 GEMM at half speed below ~2,048 rows for some of the projections
     # (the module docstring): steps of 2,048 tokens prefill 15-40% faster there
@@ -139,4 +147,4 @@ def plan_kernels(cpu: CpuFeatures, dtype: torch.dtype) -> KernelPlan:
     # our AVX2 float32 GEMM beats oneDNN's float32 one there (the module docstring)
     dense_kernel = "panels" if widened and cpu.family == "avx2" else "onednn"
     return KernelPlan(cpu.family, dtype, compute, pack, int4_rows, q8_0_rows, native_head, int4_kernel, step_tokens,
-                      dense_kernel, q8_0_kernel="tiles" if tiles else "cpp")
+                      dense_kernel, q8_0_kernel="tiles" if tiles else "cpp", int8_kernel=int8_kernel)

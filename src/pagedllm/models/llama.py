@@ -237,16 +237,19 @@ class LlamaForCausalLM(nn.Module):
         attach(self.lm_head, ["model.embed_tokens.weight" if self.config.tie_word_embeddings else "lm_head.weight"])
         return attached
 
-    def use_int8_weights(self, max_rows: int) -> int:
+    def use_int8_weights(self, max_rows: int, cpp_kernel: bool = False) -> int:
         """``quantization="int8"``: every decoder projection's weight replaced by int8 codes with a scale
         per output channel (``Int8ChannelMatmul``; steps of at most ``max_rows`` rows run its int8
-        kernel); embeddings, norms and the LM head stay as loaded. Returns how many were replaced."""
+        kernel: with ``cpp_kernel``, float32/float16 rows run our C++ Q8_0 kernel, where the C++
+        layer ops built); embeddings, norms and the LM head stay as loaded. Returns how many were
+        replaced."""
+        ops = self.layer_ops if cpp_kernel and hasattr(self.layer_ops, "q8_0_linear") else None
         self._finalized_for = None  # the stack holds the kernels: finalize again
         replaced = 0
         for layer in self.layers:
             for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                            layer.mlp.down_proj):
-                linear.use_int8_weight(Int8ChannelMatmul.quantize(linear.weight), max_rows)
+                linear.use_int8_weight(Int8ChannelMatmul.quantize(linear.weight, ops), max_rows)
                 replaced += 1
         return replaced
 

@@ -62,7 +62,8 @@ class Int8Weights:
         return False  # a choice of accuracy: asked for by name
 
     def apply(self, net, weights: LoadedWeights, plan: KernelPlan | None) -> None:
-        net.use_int8_weights(DEFAULT_INT8_ROWS if plan is None else plan.int8_rows)
+        cpp = plan is not None and plan.int8_kernel == "cpp"
+        net.use_int8_weights(DEFAULT_INT8_ROWS if plan is None else plan.int8_rows, cpp_kernel=cpp)
 
 
 QUANTIZATION_METHODS = {

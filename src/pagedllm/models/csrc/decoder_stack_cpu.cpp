@@ -51,7 +51,8 @@ struct Projection {
   int64_t small;
   int64_t max_rows;
   at::Tensor small_a, small_b;  // int4: packed codes, scales and zeros; Q8_0: codes, scales; Q4: codes, scale_min;
-                                // int8: codes [N, K], a scale per output channel in the model dtype
+                                // int8: codes [N, K], a scale per output channel in the model dtype [N],
+                                // or (float32/float16 models) repeated per 32-input block, float32 [N, K / 32]
   std::optional<at::Tensor> small_bias;
   int64_t out_features = 0;  // N (the panels pad it to a multiple of 16)
 
@@ -92,6 +93,9 @@ struct Projection {
       at::Tensor y;
       if (small == kInt4) {
         y = at::_weight_int4pack_mm_for_cpu(x.contiguous(), small_a, 32, small_b);
+      } else if (small == kInt8 && small_b.dim() == 2) {  // our Q8_0 kernel, the channel's scale per block
+        RECORD_FUNCTION("pagedllm::q8_0_linear", std::vector<c10::IValue>());
+        y = q8_0_linear(x, small_a, small_b).to(x.scalar_type());
       } else if (small == kInt8) {
         y = at::_weight_int8pack_mm(x.contiguous(), small_a, small_b);
       } else if (small == kQ4) {
@@ -115,8 +119,10 @@ struct Projection {
       case kPackedWidened:
       case kPanelsWidened:
         return widened(x.to(at::kFloat)).to(x.scalar_type());
-      case kInt8Dequant:  // quantization="int8" above max_rows: the weight dequantized for this call
-        return at::linear(x, small_a.to(x.scalar_type()) * small_b.to(x.scalar_type()).unsqueeze(1), bias);
+      case kInt8Dequant: {  // quantization="int8" above max_rows: the weight dequantized for this call
+        const at::Tensor scale = small_b.dim() == 2 ? small_b.select(1, 0) : small_b;  // per channel [N]
+        return at::linear(x, small_a.to(x.scalar_type()) * scale.to(x.scalar_type()).unsqueeze(1), bias);
+      }
       default:
         return at::linear(x, weight, bias);
     }
