@@ -138,9 +138,9 @@ def plan_kernels(cpu: CpuFeatures, dtype: torch.dtype) -> KernelPlan:
     # Q8_0 kernel (figures: docs/design.md, "Figures behind the code's choices"); elsewhere torch's
     tiles = cpu.family == "avx512_bf16" and dtype == torch.bfloat16 and not widened
     cpp = cpu.family == "avx2" or (dtype != torch.bfloat16 and cpu.avx512)
+    int4_kernel = "cpp" if cpp else "tiles" if tiles else "torch"
     # torch's weight-only int8 kernel likewise: fast with bf16 activations only (docs/design.md)
     int8_kernel = "cpp" if dtype != torch.bfloat16 and cpu.avx512 else "torch"
-    int4_kernel = "cpp" if cpp else "tiles" if tiles else "torch"
     # AMX tiles run oneDNN's bf16 GEMM at half speed below ~2,048 rows for some of the projections
     # (the module docstring): steps of 2,048 tokens prefill 15-40% faster there
     step_tokens = 2048 if not widened and cpu.family == "amx" and dtype == torch.bfloat16 else DEFAULT_STEP_TOKENS
