@@ -98,7 +98,7 @@ class LoadOptions:
     dtype: Literal[SUPPORTED_DTYPES] = Field("auto", description="weights and KV cache; auto: bfloat16 on CUDA "
                                                                  "and on x86 CPUs with AVX2 or more, else float32")
     quantization: Literal[QUANTIZATIONS] = Field(
-        "auto", description="gguf: small steps (up to 8-16 token rows, per CPU family) read a GGUF's own "
+        "auto", description="gguf: small steps (up to 8-32 token rows, per CPU family and dtype) read a GGUF's own "
                             "Q4_0/Q4_1/Q8_0 blocks; awq: an AWQ checkpoint's 4-bit groups, the same way; "
                             "int8: weight-only int8 per output channel, quantized when loaded (no float copy); "
                             "auto: gguf or awq for such a checkpoint on CPU in bf16/fp16, else none; "

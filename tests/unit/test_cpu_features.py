@@ -138,6 +138,11 @@ def test_each_family_gets_its_measured_kernel_plan(family):
     # steps of 2,048 tokens where AMX tiles run the bf16 GEMMs (measured there); 1,024 elsewhere
     assert plan.step_tokens == (2048 if family == "amx" else 1024) and fp32.step_tokens == 1024
     assert f"steps of {plan.step_tokens} tokens" in plan.describe()
+    # the small-step kernels the engine's quantization runs, and only those
+    assert "int4" not in plan.describe("none") and "int8" not in plan.describe("gguf")
+    assert "Q8_0" not in plan.describe("awq") and "int4" not in plan.describe("int8")
+    assert ("int8 (C++, Q8_0 blocks) <= 16 rows" in fp32.describe("int8")) == avx512
+    assert f"int8 <= {plan.int8_rows} rows" in plan.describe("int8")
     # our AVX2 panel GEMM for widened models on AVX2 only; float32 models keep MKL's sgemm
     assert plan.dense_kernel == ("panels" if family == "avx2" else "onednn") and fp32.dense_kernel == "onednn"
     assert ("AVX2 panels" in plan.describe()) == (family == "avx2")

@@ -171,7 +171,7 @@ class Engine:
         print it); on a GPU, the device."""
         if self.kernel_plan is None:
             return f"device {self.config.device}"
-        line = f"CPU {cpu_features.current().describe()}: {self.kernel_plan.describe()}"
+        line = f"CPU {cpu_features.current().describe()}: {self.kernel_plan.describe(self.config.quantization)}"
         rows = getattr(self.runner.backend, "dense_prefill_rows", 0)
         return line + (f"; fresh prefills of >= {rows} rows attend through SDPA" if rows else "")
 

@@ -86,8 +86,10 @@ class KernelPlan:
         """bf16/fp16 weights whose dense GEMMs compute in float32."""
         return self.compute == torch.float32 and self.dtype != torch.float32
 
-    def describe(self) -> str:
-        """``float32 GEMMs (widened), oneDNN-packed; GGUF blocks: int4 <= 8 rows, Q8_0 <= 16 rows``."""
+    def describe(self, quantization: str = "gguf") -> str:
+        """``float32 GEMMs (widened), oneDNN-packed; small steps: int4 <= 8 rows, Q8_0 <= 16 rows; ...``:
+        the small-step kernels that ``quantization`` (the engine's, resolved) runs: the 4-bit and
+        Q8_0 ones for ``gguf`` / ``awq``, the int8 one for ``int8``, none of them for ``none``."""
         name = {torch.float32: "float32", torch.bfloat16: "bf16", torch.float16: "fp16"}
         dense = f"{name[self.compute]} GEMMs" + (" (widened)" if self.widened else "")
         if self.dense_kernel == "panels":
@@ -96,8 +98,10 @@ class KernelPlan:
             dense += ", oneDNN-packed" if self.pack else ", plain weights"
         int4 = {"torch": "int4", "cpp": "int4 (C++)", "tiles": "int4 (C++ BF16 tiles)"}[self.int4_kernel]
         q8_0 = "Q8_0 (C++ BF16 tiles)" if self.q8_0_kernel == "tiles" else "Q8_0"
-        small = [f"{kind} <= {rows} rows" for kind, rows in
-                 ((int4, self.int4_rows), (q8_0, self.q8_0_rows), ("bf16 head", self.native_head_rows)) if rows]
+        int8 = "int8 (C++, Q8_0 blocks)" if self.int8_kernel == "cpp" else "int8"
+        kinds = {"gguf": ((int4, self.int4_rows), (q8_0, self.q8_0_rows)),
+                 "awq": ((int4, self.int4_rows),), "int8": ((int8, self.int8_rows),)}.get(quantization, ())
+        small = [f"{kind} <= {rows} rows" for kind, rows in (*kinds, ("bf16 head", self.native_head_rows)) if rows]
         return dense + (f"; small steps: {', '.join(small)}" if small else "") + f"; steps of {self.step_tokens} tokens"
 
 
