@@ -48,7 +48,7 @@ def describe_projection(module, linear: Linear, dtype):
     small, a, b = SMALL_NONE, None, None
     kernel = linear.small_batch
     if isinstance(kernel, Int8ChannelMatmul):  # b: its block scales where float32/float16 rows run q8_0_linear
-        b = kernel.block_scales if kernel.runs_blocks(dtype) else kernel.scales_for(dtype)
+        b = kernel.blocks.scale if kernel.runs_blocks(dtype) else kernel.scales_for(dtype)
         small, a = SMALL_INT8, kernel.codes
     elif isinstance(kernel, Int4Matmul):
         small, a, b = SMALL_INT4, kernel.packed, kernel.scales_and_zeros

@@ -167,22 +167,22 @@ class Int8ChannelMatmul:
     activations too); larger ones ``dense``: the weight dequantized for that call, then the dense
     GEMM. The scales are kept in float32 and rounded to the activation dtype once per dtype. With
     ``layer_ops`` (the kernel plan's ``int8_kernel="cpp"``: torch's kernel is fast with bf16
-    activations only), float32 and float16 rows run our C++ ``q8_0_linear`` instead (float32 maths),
-    the channel's scale repeated on each of its 32-input blocks (``block_scales``)."""
+    activations only), float32 and float16 rows run our C++ Q8_0 kernel instead (``blocks``, an
+    ``Int8BlockMatmul``: float32 maths), the channel's scale repeated on each of its 32-input blocks."""
 
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, layer_ops=None) -> None:
         if codes.dtype != torch.int8 or codes.dim() != 2 or scale.shape != (codes.shape[0],):
             raise ValueError("Int8ChannelMatmul needs int8 codes [N, K] and float scales [N]")
         self.codes, self.scale = codes.contiguous(), scale.float().contiguous()
         self._scales: dict[torch.dtype, torch.Tensor] = {}
-        self.layer_ops, self.block_scales = None, None
+        self.blocks = None
         if layer_ops is not None and codes.shape[1] % 32 == 0:
-            self.layer_ops = layer_ops
-            self.block_scales = self.scale[:, None].expand(-1, codes.shape[1] // 32).contiguous()
+            block_scales = self.scale[:, None].expand(-1, codes.shape[1] // 32).contiguous()
+            self.blocks = Int8BlockMatmul(BlockQuantized(self.codes, block_scales, None), layer_ops)
 
     def runs_blocks(self, dtype: torch.dtype) -> bool:
         """Whether rows of ``dtype`` run our C++ Q8_0 kernel (else torch's int8 one)."""
-        return self.block_scales is not None and dtype != torch.bfloat16
+        return self.blocks is not None and dtype != torch.bfloat16
 
     @staticmethod
     def quantize(weight: torch.Tensor, layer_ops=None) -> Int8ChannelMatmul:
@@ -204,7 +204,7 @@ class Int8ChannelMatmul:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.runs_blocks(x.dtype):
-            return self.layer_ops.q8_0_linear(x, self.codes, self.block_scales).to(x.dtype)
+            return self.blocks(x)
         return torch._weight_int8pack_mm(x.contiguous(), self.codes, self.scales_for(x.dtype))
 
     def dense(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
