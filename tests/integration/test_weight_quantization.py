@@ -15,8 +15,9 @@ from safetensors.torch import load_file, save_file
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.errors import ConfigError, ModelLoadError
+from pagedllm.models.awq import round_to_groups
 from pagedllm.models.loader import load_weights
-from pagedllm.models.quantized_linear import Int4BlockMatmul, Int4Matmul, Int8ChannelMatmul
+from pagedllm.models.quantized_linear import INT4_MATMULS, Int8ChannelMatmul
 from tests.conftest import hf_greedy, make_tiny_checkpoint
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -128,17 +129,12 @@ def awq_pack(columns: torch.Tensor) -> torch.Tensor:
 
 
 def awq_quantize(weight: torch.Tensor, group: int):
-    """RTN, asymmetric, per group of ``group`` inputs (AWQ's storage without its scale search):
-    returns qweight, qzeros, scales and the float weight they dequantize to."""
-    w = weight.t().float()  # [in, out]
-    groups = w.reshape(w.shape[0] // group, group, -1)
-    low, high = groups.amin(dim=1), groups.amax(dim=1)
-    scales = ((high - low) / 15).clamp(min=1e-4).half()
-    zeros = torch.round(-low / scales.float()).clamp(0, 15)
-    codes = torch.round(groups / scales.float()[:, None] + zeros[:, None]).clamp(0, 15)
-    dequantized = ((codes - zeros[:, None]) * scales.float()[:, None]).reshape(w.shape).t().contiguous()
-    return (awq_pack(codes.reshape(w.shape).to(torch.uint8)), awq_pack(zeros.to(torch.uint8)), scales,
-            dequantized)
+    """RTN per group (``round_to_groups``): qweight, qzeros, scales packed by ``awq_pack`` above, and
+    the float weight they dequantize to, computed here."""
+    codes, zeros, scales = round_to_groups(weight, group)
+    groups = codes.float().reshape(-1, group, codes.shape[1])
+    dequantized = ((groups - zeros.float()[:, None]) * scales.float()[:, None]).reshape(codes.shape).t().contiguous()
+    return awq_pack(codes), awq_pack(zeros), scales, dequantized
 
 
 @pytest.fixture(scope="module")
@@ -193,15 +189,35 @@ def test_awq_engine_tokens_equal_hf_and_its_4bit_kernels_run(awq_checkpoint):
     # bf16: the 4-bit path that serves GGUF's Q4 blocks runs small steps
     llm = LLM(model=folder, dtype="bfloat16", block_size=8, num_kv_blocks=64)
     assert llm.engine.config.quantization == "awq"  # auto picks it, as gguf for a GGUF
-    kernels = [projection(llm, i, n).small_batch for i in range(2) for n in PROJECTIONS]
-    assert all(isinstance(k, (Int4Matmul, Int4BlockMatmul)) for k in kernels)
+    assert_plans_4bit_kernel_runs(llm, dequantized)
+    assert len(engine_tokens(llm)) == len(PROMPTS)
+
+
+def assert_plans_4bit_kernel_runs(llm: LLM, dequantized: dict[str, torch.Tensor]) -> None:
+    """Every projection's small steps run the kernel plan's 4-bit kernel (AWQ minimums, which float16
+    cannot hold, included: our C++ kernels keep them in float32) and equal the dequantized product."""
+    plan = llm.engine.kernel_plan
+    dtype = plan.dtype
     for layer in range(2):
         for name in PROJECTIONS:
             linear = projection(llm, layer, name)
-            x = torch.randn(1, linear.in_features).bfloat16()
+            assert isinstance(linear.small_batch, INT4_MATMULS[plan.int4_kernel]), (plan.family, dtype)
+            x = torch.randn(3, linear.in_features).to(dtype)
             reference = F.linear(x.float(), fused_reference(dequantized, layer, name))
-            torch.testing.assert_close(linear.small_batch(x).float(), reference, rtol=3e-2, atol=0.5)
-    assert len(engine_tokens(llm)) == len(PROMPTS)
+            tolerance = {torch.bfloat16: 3e-2, torch.float16: 2e-3, torch.float32: 1e-5}[dtype]
+            torch.testing.assert_close(linear.small_batch(x).float(), reference, rtol=tolerance,
+                                       atol=tolerance * 16)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_awq_float16_and_float32_models_run_the_plans_4bit_kernel(awq_checkpoint, dtype):
+    """torch's int4 kernel is fast with bf16 rows only (10x slower steps with float16 / float32 ones,
+    docs/design.md): the plan gives these dtypes our C++ kernel, and AWQ's blocks must reach it."""
+    folder, dequantized, _ = awq_checkpoint
+    llm = LLM(model=folder, dtype=dtype, quantization="awq", block_size=8, num_kv_blocks=16)
+    if not llm.engine.kernel_plan.int4_rows:
+        pytest.skip(f"the {llm.engine.kernel_plan.family} plan runs no 4-bit kernel for {dtype} models")
+    assert_plans_4bit_kernel_runs(llm, dequantized)
 
 
 def test_awq_and_unsupported_checkpoints_are_refused_by_name(awq_checkpoint, tmp_path):

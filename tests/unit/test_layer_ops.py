@@ -67,6 +67,17 @@ def test_silu_mul_equals_torch(ops, dtype, rows):
     assert torch.equal(ours[0, [0, 1, 2, 1538]], theirs[0, [0, 1, 2, 1538]])  # -100 gives -0 as in F.silu
 
 
+def close_to_product(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
+    """``out`` is x @ weight^T rounded to out's dtype, up to float32 summation order: that error is
+    bounded by the terms' magnitudes (|x| @ |weight|^T), not the result's, so a near-cancelling sum
+    keeps its absolute error whatever the order (AVX2 and AVX-512 bodies sum in different orders)."""
+    exact = x.double() @ weight.double().T
+    magnitude = x.double().abs() @ weight.double().abs().T
+    ulp = {torch.float32: 2 ** -23, torch.bfloat16: 2 ** -7, torch.float16: 2 ** -10}[out.dtype]
+    error = (out.double() - exact).abs()
+    assert (error <= ulp * exact.abs() + 2 ** -18 * magnitude).all(), error.max()
+
+
 def gguf_weight(kind: str, n: int, k: int, seed: int = 0):
     x = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32) * 0.1
     blocks = decode_blocks(kind, gguf.quants.quantize(x, gguf.GGMLQuantizationType[kind]), n, k)
@@ -121,8 +132,7 @@ def test_int8_channel_weights_on_our_q8_0_kernel_equal_the_dequantized_product(o
     x = torch.randn(5, 288, generator=gen).to(dtype)
     out = kernel(x)
     assert out.dtype == dtype
-    exact = (x.double() @ kernel.dequantize(torch.float32).double().T).to(dtype)
-    close(out, exact, dtype)
+    close_to_product(out, x, kernel.dequantize(torch.float32))
 
 
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
@@ -186,11 +196,34 @@ def test_the_tile_kernels_are_chosen_only_where_they_apply(ops):
     assert isinstance(chosen, Int8TileMatmul if ops.has_bf16_tiles() else Int8BlockMatmul)
 
 
-def test_cpp_int4_matmul_refuses_scales_float16_cannot_hold(ops):
-    blocks, _ = gguf_weight("Q4_1", 32, 64)
-    odd = BlockQuantized(blocks.codes, blocks.scale + 1e-6, blocks.minimum)
-    with pytest.raises(ValueError, match="float16 holds exactly"):
-        Int4BlockMatmul(odd, ops)
+def awq_like_weight(n: int, k: int, seed: int = 0) -> BlockQuantized:
+    """4-bit blocks as an AWQ group gives them: float16 scales, minimum -scale * zero (zero 0..15),
+    which float16 cannot hold (a float16 times a 4-bit integer needs up to 15 significant bits)."""
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+    scale = (torch.rand(n, k // 32, generator=gen) * 0.02 + 0.001).half().float()
+    zero = torch.randint(0, 16, (n, k // 32), generator=gen).float()
+    return BlockQuantized(codes, scale, -scale * zero)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_4bit_kernels_take_scales_float16_cannot_hold_in_float32(ops, dtype):
+    """AWQ's minimums need more bits than float16's: our C++ 4-bit kernels keep them in float32 (GGUF's
+    exact float16 pairs stay float16) and compute on the exact weights; before, such blocks went to
+    torch's int4 kernel, 10x slower with float32 or float16 rows (docs/design.md)."""
+    blocks = awq_like_weight(80, 288, seed=4)
+    pairs = torch.stack([blocks.scale, blocks.minimum], dim=-1)
+    assert not torch.equal(pairs.half().float(), pairs)  # the case at hand
+    x = torch.randn(17, 288, generator=torch.Generator().manual_seed(4)).to(dtype)
+    kernels = [quantized_matmul(blocks, dtype, ops, "cpp")]
+    if dtype == torch.bfloat16 and ops.has_bf16_tiles():
+        kernels.append(quantized_matmul(blocks, dtype, ops, "tiles"))
+    for kernel, kind in zip(kernels, (Int4BlockMatmul, Int4TileMatmul), strict=False):
+        assert isinstance(kernel, kind) and kernel.scale_min.dtype == torch.float32
+        for rows in (1, 8, 17):
+            close_to_product(kernel(x[:rows]), x[:rows], blocks.dequantize())
+    gguf_blocks, _ = gguf_weight("Q4_1", 32, 64)
+    assert quantized_matmul(gguf_blocks, dtype, ops, "cpp").scale_min.dtype == torch.float16  # GGUF's, exact
 
 
 def test_linear_uses_the_quantized_kernel_only_for_small_steps(ops):

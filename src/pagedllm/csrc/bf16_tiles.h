@@ -8,8 +8,9 @@
 //               32-nibble vectors; byte j's low nibble is the code of channel n0 + j / 2 at input
 //               32g + 4s + j % 2, its high nibble at input 32g + 4s + 2 + j % 2 (a pair of inputs
 //               per channel, as VDPBF16PS pairs them);
-//   4-bit scale_min float16 [N / 16, G, 2, 16]: the 16 channels' scales, then their minimums
-//               (GGUF's own float16 values, exact), w = scale * code + minimum;
+//   4-bit scale_min float16 or float32 [N / 16, G, 2, 16]: the 16 channels' scales, then their
+//               minimums (GGUF's own float16 values, exact; float32 for AWQ's minimums -scale * zero,
+//               which float16 rounds), w = scale * code + minimum;
 //   Q8_0 codes  int8 [N / 16, G, 16, 32]: step p, byte j: channel n0 + j / 2 at input 32g + 2p + j % 2;
 //   Q8_0 scales float32 [N / 16, G, 16], w = scale * code.
 // Arithmetic per row and tile: each block's codes (exact in bfloat16: 4 or 8 bits) dotted with the
@@ -27,6 +28,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <vector>
 
 namespace bf16_tiles {
@@ -47,9 +49,14 @@ typedef int32_t pair_bits __attribute__((may_alias));  // two bfloat16 inputs re
 
 inline __m512bh pair(const uint16_t* x) { return (__m512bh)_mm512_set1_epi32(*reinterpret_cast<const pair_bits*>(x)); }
 
-// R rows of x (bfloat16 bits, row stride K) times 4-bit tile t; xsum [R, G] float32.
-template <int R>
-void q4_rows(const uint16_t* x, const float* xsum, const uint8_t* codes, const uint16_t* scale_min, float* out,
+// 16 channels' scales (or minimums) as float32: from float16 bits, or float32 (AWQ's pairs)
+inline __m512 scales16(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline __m512 scales16(const float* p) { return _mm512_loadu_ps(p); }
+
+// R rows of x (bfloat16 bits, row stride K) times 4-bit tile t; xsum [R, G] float32; S: uint16_t
+// (float16 bits) or float, the scale_min type.
+template <int R, typename S>
+void q4_rows(const uint16_t* x, const float* xsum, const uint8_t* codes, const S* scale_min, float* out,
              int64_t out_stride, int64_t K, int64_t t) {
   const int64_t G = K / 32;
   // bfloat16 bits of 0..15, indexed by a code (VPERMW reads each index's low 5 bits)
@@ -73,9 +80,9 @@ void q4_rows(const uint16_t* x, const float* xsum, const uint8_t* codes, const u
         odd[r] = _mm512_dpbf16_ps(odd[r], w1, pair(xr + 2));
       }
     }
-    const uint16_t* sm = scale_min + (t * G + g) * 32;
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sm)));
-    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sm + 16)));
+    const S* sm = scale_min + (t * G + g) * 32;
+    const __m512 d = scales16(sm);
+    const __m512 m = scales16(sm + 16);
     for (int r = 0; r < R; ++r) {
       acc[r] = _mm512_fmadd_ps(_mm512_add_ps(even[r], odd[r]), d, acc[r]);
       acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[r * G + g]), acc[r]);
@@ -116,10 +123,11 @@ void q8_0_rows(const uint16_t* x, const int8_t* codes, const float* scales, floa
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * out_stride + t * kTile, acc[r]);
 }
 
-using Q4Rows = void (*)(const uint16_t*, const float*, const uint8_t*, const uint16_t*, float*, int64_t, int64_t,
-                        int64_t);
-constexpr Q4Rows kQ4Rows[] = {q4_rows<1>, q4_rows<2>, q4_rows<3>, q4_rows<4>,
-                              q4_rows<5>, q4_rows<6>, q4_rows<7>, q4_rows<8>};
+template <typename S>
+using Q4Rows = void (*)(const uint16_t*, const float*, const uint8_t*, const S*, float*, int64_t, int64_t, int64_t);
+template <typename S>
+constexpr Q4Rows<S> kQ4Rows[] = {q4_rows<1, S>, q4_rows<2, S>, q4_rows<3, S>, q4_rows<4, S>,
+                                 q4_rows<5, S>, q4_rows<6, S>, q4_rows<7, S>, q4_rows<8, S>};
 using Q8Rows = void (*)(const uint16_t*, const int8_t*, const float*, float*, int64_t, int64_t, int64_t);
 constexpr Q8Rows kQ8Rows[] = {q8_0_rows<1>, q8_0_rows<2>, q8_0_rows<3>, q8_0_rows<4>,
                               q8_0_rows<5>, q8_0_rows<6>, q8_0_rows<7>, q8_0_rows<8>};
@@ -139,9 +147,11 @@ inline torch::Tensor q4_linear(torch::Tensor x, torch::Tensor codes, torch::Tens
                   codes.size(3) == 32,
               "codes must be uint8 [N / 16, K / 32, 8, 32]");
   const int64_t T = codes.size(0), N = T * kTile;
-  TORCH_CHECK(scale_min.scalar_type() == at::kHalf && scale_min.dim() == 4 && scale_min.size(0) == T &&
-                  scale_min.size(1) == G && scale_min.size(2) == 2 && scale_min.size(3) == kTile,
-              "scale_min must be float16 [N / 16, K / 32, 2, 16]");
+  const bool half_pairs = scale_min.scalar_type() == at::kHalf;
+  TORCH_CHECK((half_pairs || scale_min.scalar_type() == at::kFloat) && scale_min.dim() == 4 &&
+                  scale_min.size(0) == T && scale_min.size(1) == G && scale_min.size(2) == 2 &&
+                  scale_min.size(3) == kTile,
+              "scale_min must be float16 or float32 [N / 16, K / 32, 2, 16]");
   codes = codes.contiguous();
   scale_min = scale_min.contiguous();
   x = x.contiguous();
@@ -157,15 +167,22 @@ inline torch::Tensor q4_linear(torch::Tensor x, torch::Tensor codes, torch::Tens
   }
   float* os = out.data_ptr<float>();
   const uint8_t* cs = codes.data_ptr<uint8_t>();
-  const uint16_t* sms = reinterpret_cast<const uint16_t*>(scale_min.data_ptr<at::Half>());
-  at::parallel_for(0, T, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {  // a tile's codes stay in cache across row groups
-      for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
-        const int64_t rows = std::min<int64_t>(kMaxRows, M - m0);
-        kQ4Rows[rows - 1](xs + m0 * K, xsum.data() + m0 * G, cs, sms, os + m0 * N, N, K, t);
+  auto walk = [&](const auto* sms) {
+    using S = std::remove_const_t<std::remove_pointer_t<decltype(sms)>>;
+    at::parallel_for(0, T, 4, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {  // a tile's codes stay in cache across row groups
+        for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
+          const int64_t rows = std::min<int64_t>(kMaxRows, M - m0);
+          kQ4Rows<S>[rows - 1](xs + m0 * K, xsum.data() + m0 * G, cs, sms, os + m0 * N, N, K, t);
+        }
       }
-    }
-  });
+    });
+  };
+  if (half_pairs) {
+    walk(reinterpret_cast<const uint16_t*>(scale_min.data_ptr<at::Half>()));
+  } else {
+    walk(static_cast<const float*>(scale_min.data_ptr<float>()));
+  }
 #endif
   return out;
 }

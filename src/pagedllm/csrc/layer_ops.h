@@ -436,10 +436,27 @@ void q8_0_rows(const float* x, const int8_t* codes, const float* scales, float* 
 using Q8Rows = void (*)(const float*, const int8_t*, const float*, float*, int64_t, int64_t, int64_t, int64_t);
 constexpr Q8Rows kQ8Rows[] = {q8_0_rows<1>, q8_0_rows<2>, q8_0_rows<3>, q8_0_rows<4>};
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// A 4-bit block's scale or minimum as float32: S is at::Half (GGUF's own pairs) or float (AWQ's,
+// whose minimum -scale * zero float16 cannot hold).
+inline float scale_f32(const at::Half* p) { return _cvtsh_ss(*reinterpret_cast<const uint16_t*>(p)); }
+inline float scale_f32(const float* p) { return *p; }
+// 8 (scale, minimum) pairs from p: lo = d0 m0 d1 m1 d2 m2 d3 m3, hi = d4 m4 ... d7 m7
+inline void scale_pairs8(const at::Half* p, __m256& lo, __m256& hi) {
+  const __m256i pairs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  lo = _mm256_cvtph_ps(_mm256_castsi256_si128(pairs));
+  hi = _mm256_cvtph_ps(_mm256_extracti128_si256(pairs, 1));
+}
+inline void scale_pairs8(const float* p, __m256& lo, __m256& hi) {
+  lo = _mm256_loadu_ps(p);
+  hi = _mm256_loadu_ps(p + 8);
+}
+#endif
+
 // R rows of x (float32, row stride K) times rows [begin, end) of a 4-bit weight in GGUF's Q4_0/Q4_1
 // block layout: 16 bytes per 32 weights, byte j holding weight j in its low nibble and weight j + 16
-// in its high one, and per block a (scale, minimum) pair in float16 (GGUF's own, exact), w = scale
-// * q + minimum. Per row and block: the codes' products with x summed (4 FMAs), times the scale
+// in its high one, and per block a (scale, minimum) pair of type S: float16 (GGUF's own, exact) or
+// float32 (AWQ's minimum -scale * zero needs more bits than float16 has), w = scale * q + minimum. Per row and block: the codes' products with x summed (4 FMAs), times the scale
 // (1 FMA); the minimums' share, sum over blocks of minimum * sum(x over the block), is one more
 // dot product per row over xsum (the block's x summed, once per call), 8 blocks per FMA. Every
 // row takes this same arithmetic whatever R is, so a row's result is the same bit for bit
@@ -447,13 +464,13 @@ constexpr Q8Rows kQ8Rows[] = {q8_0_rows<1>, q8_0_rows<2>, q8_0_rows<3>, q8_0_row
 // computed as its decode step would be, docs/speculative.md). R is a compile-time constant so the
 // accumulators stay in registers (R <= 8: 8 accumulators, the 4 unpacked code vectors, a
 // product and the scale fit AVX2's 16).
-template <int R>
-void q4_rows(const float* x, const float* xsum, const uint8_t* codes, const at::Half* scale_min, float* out,
+template <int R, typename S>
+void q4_rows(const float* x, const float* xsum, const uint8_t* codes, const S* scale_min, float* out,
              int64_t out_stride, int64_t K, int64_t begin, int64_t end) {
   const int64_t G = K / 32;
   for (int64_t n = begin; n < end; ++n) {
     const uint8_t* c = codes + n * (K / 2);
-    const at::Half* sm = scale_min + n * 2 * G;
+    const S* sm = scale_min + n * 2 * G;
     float dot[R];
 #if defined(__AVX2__) && !defined(__AVX512F__)
     // Bytes 0-7 zero-extended to 8 int32 lanes hold weights 0-7 in their low nibbles and 16-23 in
@@ -461,11 +478,10 @@ void q4_rows(const float* x, const float* xsum, const uint8_t* codes, const at::
     __m256 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     const __m256i low4 = _mm256_set1_epi32(0x0F);
-    const uint16_t* smh = reinterpret_cast<const uint16_t*>(sm);
     for (int64_t g = 0; g < G; ++g) {
       const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + g * 16)));
       const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + g * 16 + 8)));
-      const __m256 d = _mm256_set1_ps(_cvtsh_ss(smh[2 * g]));
+      const __m256 d = _mm256_set1_ps(scale_f32(sm + 2 * g));
       const __m256 w0 = _mm256_cvtepi32_ps(_mm256_and_si256(b0, low4));
       const __m256 w1 = _mm256_cvtepi32_ps(_mm256_and_si256(b1, low4));
       const __m256 w2 = _mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4));
@@ -484,16 +500,15 @@ void q4_rows(const float* x, const float* xsum, const uint8_t* codes, const at::
     for (int r = 0; r < R; ++r) macc[r] = _mm256_setzero_ps();
     int64_t g = 0;
     for (; g + 8 <= G; g += 8) {
-      const __m256i pairs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(smh + 2 * g));
-      const __m256 lo = _mm256_cvtph_ps(_mm256_castsi256_si128(pairs));       // d0 m0 d1 m1 d2 m2 d3 m3
-      const __m256 hi = _mm256_cvtph_ps(_mm256_extracti128_si256(pairs, 1));  // d4 m4 ... d7 m7
+      __m256 lo, hi;  // d0 m0 d1 m1 d2 m2 d3 m3 and d4 m4 ... d7 m7
+      scale_pairs8(sm + 2 * g, lo, hi);
       const __m256 odd = _mm256_shuffle_ps(lo, hi, 0xDD);                     // m0 m1 m4 m5 m2 m3 m6 m7
       const __m256 mins = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(odd), 0xD8));  // m0 .. m7
       for (int r = 0; r < R; ++r) macc[r] = _mm256_fmadd_ps(mins, _mm256_loadu_ps(xsum + r * G + g), macc[r]);
     }
     for (int r = 0; r < R; ++r) {
       float tail = 0.f;
-      for (int64_t t = g; t < G; ++t) tail += _cvtsh_ss(smh[2 * t + 1]) * xsum[r * G + t];
+      for (int64_t t = g; t < G; ++t) tail += scale_f32(sm + 2 * t + 1) * xsum[r * G + t];
       dot[r] = hsum8(acc[r]) + (hsum8(macc[r]) + tail);
     }
 #else
@@ -524,25 +539,28 @@ void q4_rows(const float* x, const float* xsum, const uint8_t* codes, const at::
   }
 }
 
-using Q4Rows = void (*)(const float*, const float*, const uint8_t*, const at::Half*, float*, int64_t, int64_t, int64_t,
+template <typename S>
+using Q4Rows = void (*)(const float*, const float*, const uint8_t*, const S*, float*, int64_t, int64_t, int64_t,
                         int64_t);
-constexpr Q4Rows kQ4Rows[] = {q4_rows<1>, q4_rows<2>, q4_rows<3>, q4_rows<4>,
-                              q4_rows<5>, q4_rows<6>, q4_rows<7>, q4_rows<8>};
+template <typename S>
+constexpr Q4Rows<S> kQ4Rows[] = {q4_rows<1, S>, q4_rows<2, S>, q4_rows<3, S>, q4_rows<4, S>,
+                                 q4_rows<5, S>, q4_rows<6, S>, q4_rows<7, S>, q4_rows<8, S>};
 
 }  // namespace
 
 // x [M, K] @ W^T for W given as 4-bit GGUF blocks (Q4_0 / Q4_1): codes uint8 [N, K / 2] in GGUF's
-// nibble order (see q4_rows), scale_min float16 [N, K / 32, 2] (w = scale * q + minimum; Q4_0 is
-// scale * (q - 8): minimum = -8 scale). Float32 maths on the exact weights; each weight block is
+// nibble order (see q4_rows), scale_min float16 or float32 [N, K / 32, 2] (w = scale * q + minimum;
+// Q4_0 is scale * (q - 8): minimum = -8 scale; float32 for AWQ's minimums, which float16 rounds). Float32 maths on the exact weights; each weight block is
 // unpacked once per group of up to 8 rows of x, and the weight is walked in chunks of 32 rows so a
 // chunk stays in cache across row groups. Returns float32 [M, N]. Meant for small M (decode steps).
 inline torch::Tensor q4_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scale_min) {
   TORCH_CHECK(x.dim() == 2 && codes.dim() == 2 && codes.scalar_type() == at::kByte, "expected x [M, K], codes uint8");
   const int64_t M = x.size(0), K = x.size(1), N = codes.size(0), G = K / 32;
   TORCH_CHECK(K % 32 == 0 && codes.size(1) == K / 2, "codes must be [N, K / 2] with K a multiple of 32");
-  TORCH_CHECK(scale_min.scalar_type() == at::kHalf && scale_min.dim() == 3 && scale_min.size(0) == N &&
-                  scale_min.size(1) == G && scale_min.size(2) == 2,
-              "scale_min must be float16 [N, K / 32, 2]");
+  const bool half_pairs = scale_min.scalar_type() == at::kHalf;
+  TORCH_CHECK((half_pairs || scale_min.scalar_type() == at::kFloat) && scale_min.dim() == 3 &&
+                  scale_min.size(0) == N && scale_min.size(1) == G && scale_min.size(2) == 2,
+              "scale_min must be float16 or float32 [N, K / 32, 2]");
   codes = codes.contiguous();
   scale_min = scale_min.contiguous();
   auto xf = x.to(at::kFloat).contiguous();
@@ -558,16 +576,23 @@ inline torch::Tensor q4_linear(torch::Tensor x, torch::Tensor codes, torch::Tens
   }
   float* os = out.data_ptr<float>();
   const uint8_t* cs = codes.data_ptr<uint8_t>();
-  const at::Half* sms = scale_min.data_ptr<at::Half>();
-  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t n0 = begin; n0 < end; n0 += 32) {
-      const int64_t n1 = std::min<int64_t>(n0 + 32, end);
-      for (int64_t m0 = 0; m0 < M; m0 += 8) {
-        const int64_t rows = std::min<int64_t>(8, M - m0);
-        kQ4Rows[rows - 1](xs + m0 * K, xsum.data() + m0 * G, cs, sms, os + m0 * N, N, K, n0, n1);
+  auto walk = [&](const auto* sms) {
+    using S = std::remove_const_t<std::remove_pointer_t<decltype(sms)>>;
+    at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t n0 = begin; n0 < end; n0 += 32) {
+        const int64_t n1 = std::min<int64_t>(n0 + 32, end);
+        for (int64_t m0 = 0; m0 < M; m0 += 8) {
+          const int64_t rows = std::min<int64_t>(8, M - m0);
+          kQ4Rows<S>[rows - 1](xs + m0 * K, xsum.data() + m0 * G, cs, sms, os + m0 * N, N, K, n0, n1);
+        }
       }
-    }
-  });
+    });
+  };
+  if (half_pairs) {
+    walk(scale_min.data_ptr<at::Half>());
+  } else {
+    walk(scale_min.data_ptr<float>());
+  }
   return out;
 }
 

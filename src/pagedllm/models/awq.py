@@ -36,6 +36,27 @@ def unpack_columns(packed: torch.Tensor) -> torch.Tensor:
     return columns.reshape(packed.shape[0], -1).to(torch.uint8)
 
 
+def pack_columns(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes [R, C] (0..15) -> int32 [R, C / 8] packed as above: ``unpack_columns``' inverse."""
+    packed = torch.zeros(codes.shape[0], codes.shape[1] // 8, dtype=torch.int64)
+    for nibble, column in enumerate(PACK_ORDER):
+        packed |= codes[:, column::8].to(torch.int64) << (4 * nibble)
+    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+
+
+def round_to_groups(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A float weight [out, in] rounded to nearest per group of ``group`` inputs, asymmetric (AWQ's
+    storage without its scale search): codes uint8 [in, out], zeros uint8 [in / group, out] and
+    float16 scales [in / group, out], as ``awq_blocks`` reads them once packed."""
+    w = weight.t().float()  # [in, out]
+    groups = w.reshape(w.shape[0] // group, group, -1)
+    low, high = groups.amin(dim=1), groups.amax(dim=1)
+    scales = ((high - low) / 15).clamp(min=1e-4).half()
+    zeros = torch.round(-low / scales.float()).clamp(0, 15)
+    codes = torch.round(groups / scales.float()[:, None] + zeros[:, None]).clamp(0, 15)
+    return codes.reshape(w.shape).to(torch.uint8), zeros.to(torch.uint8), scales
+
+
 def check_awq_config(config: dict) -> int:
     """The group size of a ``quantization_config`` AWQ checkpoint this loader reads; ``ModelLoadError``
     naming what differs otherwise."""

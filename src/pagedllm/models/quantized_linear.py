@@ -57,12 +57,20 @@ class Int4Matmul:
         return torch._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed, 32, self.scales_and_zeros)
 
 
+def exact_scale_pairs(pairs: torch.Tensor) -> torch.Tensor:
+    """Blocks' (scale, minimum) values in float16 where float16 holds them all exactly (GGUF stores
+    both so: half the bytes), else in float32 (an AWQ group's minimum ``-scale * zero`` generally
+    needs more bits than float16's). The C++ 4-bit kernels take either, so the weights stay exact."""
+    half = pairs.half()
+    return (half if torch.equal(half.float(), pairs.float()) else pairs.float()).contiguous()
+
+
 class Int4BlockMatmul:
-    """x [M, K] @ W^T with W as GGUF 4-bit blocks (Q4_0/Q4_1) through the C++ ``q4_linear``: float32
-    maths on the exact weights (scale and minimum in GGUF's float16, exact; torch's kernel rounds
-    its zero point to the activation dtype), codes packed two per byte in GGUF's own nibble order.
-    Output in x's dtype. The AVX2 plan's 4-bit kernel: its AVX2 body widens 8 bytes into 16
-    weights at once and shares each unpacked block among up to 8 rows."""
+    """x [M, K] @ W^T with W as 4-bit blocks (GGUF's Q4_0/Q4_1, or AWQ's groups as such blocks)
+    through the C++ ``q4_linear``: float32 maths on the exact weights (scale and minimum as
+    ``exact_scale_pairs``; torch's kernel rounds its zero point to the activation dtype), codes
+    packed two per byte in GGUF's own nibble order. Output in x's dtype. Its AVX2 body widens 8
+    bytes into 16 weights at once and shares each unpacked block among up to 8 rows."""
 
     def __init__(self, weight: BlockQuantized, layer_ops) -> None:
         if weight.bits != 4:
@@ -70,17 +78,8 @@ class Int4BlockMatmul:
         n, k = weight.codes.shape
         halves = weight.codes.view(n, k // 32, 2, 16)  # weights j and j + 16 of a block share byte j
         self.codes = (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
-        if not self.accepts(weight):
-            raise ValueError("Int4BlockMatmul needs scales and minimums that float16 holds exactly (GGUF's)")
-        self.scale_min = torch.stack([weight.scale, weight.minimum], dim=-1).half().contiguous()
+        self.scale_min = exact_scale_pairs(torch.stack([weight.scale, weight.minimum], dim=-1))
         self.layer_ops = layer_ops
-
-    @staticmethod
-    def accepts(weight: BlockQuantized) -> bool:
-        """Whether float16 holds the blocks' scales and minimums exactly: GGUF stores both so; an AWQ
-        group's minimum ``-scale * zero`` generally needs more bits (torch's kernel runs those)."""
-        pairs = torch.stack([weight.scale, weight.minimum], dim=-1)
-        return torch.equal(pairs.half().float(), pairs.float())
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.layer_ops.q4_linear(x, self.codes, self.scale_min).to(x.dtype)
@@ -90,7 +89,7 @@ class Int4TileMatmul:
     """bfloat16 x [M, K] @ W^T with W as GGUF 4-bit blocks (Q4_0/Q4_1) through the C++
     ``q4_tiles_linear`` (``csrc/bf16_tiles.h``): AVX-512 BF16 dot products over the exact weights
     (codes are exact in bfloat16, so are their products with bfloat16 inputs; float32 sums, the
-    blocks' float16 scale and minimum applied in float32), in tiles of 16 output channels that
+    blocks' scale and minimum, as ``exact_scale_pairs``, applied in float32), in tiles of 16 output channels that
     each serve up to 8 rows at once: a step of 8 rows costs far less than 8 steps of one (the
     figures: docs/design.md). Output in x's dtype; bfloat16 x only (float32 inputs would have to
     be rounded)."""
@@ -99,7 +98,7 @@ class Int4TileMatmul:
 
     def __init__(self, weight: BlockQuantized, layer_ops) -> None:
         if not self.accepts(weight):
-            raise ValueError("Int4TileMatmul needs 4-bit codes, N a multiple of 16 and float16-exact scales")
+            raise ValueError("Int4TileMatmul needs 4-bit codes and N a multiple of 16")
         n, k = weight.codes.shape
         t, g = n // self.TILE, k // 32
         # codes [n, k] as [tile, channel i, block g, step s, pair half h, input of the pair w]:
@@ -107,12 +106,12 @@ class Int4TileMatmul:
         q = weight.codes.to(torch.uint8).view(t, self.TILE, g, 8, 2, 2).permute(0, 2, 3, 4, 1, 5)
         self.codes = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).reshape(t, g, 8, 2 * self.TILE).contiguous()
         pairs = torch.stack([weight.scale, weight.minimum], dim=0).view(2, t, self.TILE, g)
-        self.scale_min = pairs.permute(1, 3, 0, 2).half().contiguous()  # [tile, g, (scale, minimum), channel]
+        self.scale_min = exact_scale_pairs(pairs.permute(1, 3, 0, 2))  # [tile, g, (scale, minimum), channel]
         self.layer_ops = layer_ops
 
     @classmethod
     def accepts(cls, weight: BlockQuantized) -> bool:
-        return weight.bits == 4 and weight.codes.shape[0] % cls.TILE == 0 and Int4BlockMatmul.accepts(weight)
+        return weight.bits == 4 and weight.codes.shape[0] % cls.TILE == 0
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.layer_ops.q4_tiles_linear(x, self.codes, self.scale_min).to(x.dtype)
@@ -231,14 +230,14 @@ def quantized_matmul(weight: BlockQuantized, dtype: torch.dtype, layer_ops, int4
                      q8_0_kernel: str = "cpp"):
     """The small-batch kernel for these blocks, or None when this machine has none for them.
     ``int4_kernel`` (``KernelPlan.int4_kernel``): ``"cpp"`` for our C++ 4-bit kernel (where the C++
-    layer ops built and float16 holds the blocks' scales and minimums), ``"tiles"`` for our AVX-512
-    BF16 tile kernel, ``"torch"`` for torch's int4 one (also where the chosen one does not apply).
+    layer ops built), ``"tiles"`` for our AVX-512 BF16 tile kernel, ``"torch"`` for torch's int4 one
+    (also where the chosen one does not apply).
     ``q8_0_kernel`` (``KernelPlan.q8_0_kernel``): ``"cpp"`` (``q8_0_linear``) or ``"tiles"``. The tile
     kernels apply to a bfloat16 model, N a multiple of 16, in a build that has them; else the
     ``cpp`` / ``torch`` kernel runs."""
     tiles = dtype == torch.bfloat16 and hasattr(layer_ops, "has_bf16_tiles") and layer_ops.has_bf16_tiles()
     if weight.bits == 4:
-        if int4_kernel == "cpp" and hasattr(layer_ops, "q4_linear") and Int4BlockMatmul.accepts(weight):
+        if int4_kernel == "cpp" and hasattr(layer_ops, "q4_linear"):
             return Int4BlockMatmul(weight, layer_ops)
         if int4_kernel == "tiles" and tiles and Int4TileMatmul.accepts(weight):
             return Int4TileMatmul(weight, layer_ops)
