@@ -26,7 +26,7 @@ def test_smollm_batched_equals_hf_alone(smollm_fp32, hf_parity_expected, parity_
 
 def test_gguf_quantized_decode_in_float32_equals_hf(hf_parity_expected, parity_prompts):
     """quantization="gguf": decode steps read the GGUF's own 4/8-bit blocks where this CPU family's
-    plan runs them (on AVX-512, our C++ 4-bit kernel up to 32 rows; not on AVX2), prefill the dense
+    plan runs them (on AVX-512 and AVX2, our C++ 4-bit kernel up to 32 rows), prefill the dense
     copy; both are the same weights, so float32 greedy tokens still equal HF's."""
     llm = LLM(dtype="float32", quantization="gguf", kv_cache_memory="256MiB")
     assert llm.engine.config.quantization == "gguf"
@@ -35,7 +35,7 @@ def test_gguf_quantized_decode_in_float32_equals_hf(hf_parity_expected, parity_p
                for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                            layer.mlp.down_proj))
     assert model.lm_head.small_batch is not None and model.lm_head.max_rows == plan.q8_0_rows
-    if plan.int4_rows:  # the plan's 4-bit kernel runs (on AVX-512, ours: torch's has no fast float32 body)
+    if plan.int4_rows:  # the plan's 4-bit kernel runs (on x86, ours: torch's has no fast float32 body)
         qkv = model.layers[0].self_attn.qkv_proj
         assert isinstance(qkv.small_batch, INT4_MATMULS[plan.int4_kernel]) and qkv.max_rows == plan.int4_rows
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)

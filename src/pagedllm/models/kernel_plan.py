@@ -18,18 +18,19 @@ trying and catching:
 - ``head``: what a 1-row LM head runs where the Q8_0 kernel does not: the bf16 weight packed
   natively (AVX-512 without BF16: half float32's bytes), else the dense kernel.
 - ``int8_kernel``: ``quantization="int8"``'s small-step kernel: torch's weight-only int8 matmul, or
-  on AVX-512 for float32/float16 models our C++ Q8_0 kernel (torch's is fast with bf16 rows only).
+  on AVX-512 and AVX2 for float32/float16 models our C++ Q8_0 kernel (torch's is fast with bf16 rows
+  only).
 
 The crossovers and budgets per family (the figures that chose them, with machines and commands:
 docs/design.md, "Figures behind the code's choices"): AVX-512 with BF16: a bf16 model's 4-bit and
 Q8_0 blocks on our tile kernels (``csrc/bf16_tiles.h``, VDPBF16PS) up to 16 rows. Every AVX-512
-family (measured on AVX-512 BF16): a float32 model's on our C++ 4-bit and Q8_0 kernels up to 32
-rows; a float16 model's 4-bit blocks on our C++ kernel too (torch's int4 kernel is fast with bf16
-activations only). AMX: a bf16 model runs the 4-bit kernel at 1 row only and never the Q8_0 head;
+family and AVX2 (measured on AVX-512 BF16, and with the AVX2 builds there): a float32 model's on
+our C++ 4-bit and Q8_0 kernels up to 32 rows; a float16 model's 4-bit blocks on our C++ kernel too
+(torch's int4 kernel is fast with bf16 activations only), and ``quantization="int8"``'s float32 and
+float16 rows on our C++ Q8_0 kernel. AMX: a bf16 model runs the 4-bit kernel at 1 row only and never the Q8_0 head;
 ``step_tokens`` 2,048. AVX-512 without BF16: the 4-bit kernel up to 16 rows, the natively packed
 bf16 head at 1 row. AVX2 without AVX-512: our C++ 4-bit kernel and the Q8_0 head up to 16 rows,
-the panel GEMM for widened models; a float32 model never runs the 4-bit kernel there (unmeasured
-with ours).
+the panel GEMM for widened models.
 """
 
 from __future__ import annotations
@@ -111,10 +112,10 @@ def plan_kernels(cpu: CpuFeatures, dtype: torch.dtype) -> KernelPlan:
     widened = compute == torch.float32 and dtype != torch.float32
     # float32 models keep MKL's sgemm on the plain weight; fp16 ones are packed only when widened
     pack = cpu.onednn_packs(torch.float32) if widened else dtype == torch.bfloat16 and cpu.onednn_packs(dtype)
-    if dtype == torch.float32 and not cpu.avx512:
-        # torch's int4 kernel with float32 activations has no fast AVX2 body: 2.15 ms for gate_up at
-        # 1 row against 0.15 with bf16 ones and 0.29 for the dense float32 GEMM (a one-off timing loop
-        # on the AVX2 EPYC; bench matmul times the kernels with bf16 activations only)
+    ours = cpu.avx512 or cpu.family == "avx2"  # x86 families where our C++ 4-bit kernel has a vector body
+    if dtype == torch.float32 and not ours:
+        # torch's int4 kernel with float32 activations has no fast body (on AVX2: 2.15 ms for gate_up
+        # at 1 row against 0.15 with bf16 ones and 0.29 for the dense float32 GEMM)
         int4_rows, q8_0_rows, native_head = 0, 16, 0
     elif not widened and cpu.family == "amx" and dtype == torch.bfloat16:
         # AMX tiles make the packed bf16 GEMM win from 2 rows, and the bf16 head at every size
@@ -124,8 +125,8 @@ def plan_kernels(cpu: CpuFeatures, dtype: torch.dtype) -> KernelPlan:
         # than with the dense GEMMs past 8 (docs/design.md); speculation then verifies up to 16 rows exactly
         int4_rows, q8_0_rows, native_head = 16, 16, 0
     elif dtype == torch.float32:
-        # AVX-512 families: float32 activations on our C++ 4-bit and Q8_0 kernels, whose steps of
-        # 12-32 rows ran 1.3-2.3x faster than the dense float32 GEMMs' (docs/design.md)
+        # AVX-512 and AVX2 families: float32 activations on our C++ 4-bit and Q8_0 kernels, whose steps
+        # of 12-32 rows ran 1.2-2.3x faster than the dense float32 GEMMs' (docs/design.md)
         int4_rows, q8_0_rows, native_head = 32, 32, 0
     elif not widened:
         int4_rows, q8_0_rows, native_head = 8, 8, 0
@@ -144,7 +145,7 @@ def plan_kernels(cpu: CpuFeatures, dtype: torch.dtype) -> KernelPlan:
     cpp = cpu.family == "avx2" or (dtype != torch.bfloat16 and cpu.avx512)
     int4_kernel = "cpp" if cpp else "tiles" if tiles else "torch"
     # torch's weight-only int8 kernel likewise: fast with bf16 activations only (docs/design.md)
-    int8_kernel = "cpp" if dtype != torch.bfloat16 and cpu.avx512 else "torch"
+    int8_kernel = "cpp" if dtype != torch.bfloat16 and ours else "torch"
     # AMX tiles run oneDNN's bf16 GEMM at half speed below ~2,048 rows for some of the projections
     # (the module docstring): steps of 2,048 tokens prefill 15-40% faster there
     step_tokens = 2048 if not widened and cpu.family == "amx" and dtype == torch.bfloat16 else DEFAULT_STEP_TOKENS
