@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 from pagedllm import LLM, SamplingParams
 from pagedllm.cpu_features import matmul_dtype
 from pagedllm.models import decoder_stack
+from pagedllm.models.awq import awq_blocks, pack_columns, round_to_groups
 from pagedllm.models.gguf_quant import decode_blocks
 from pagedllm.models.quantized_linear import (
     INT4_MATMULS,
@@ -72,11 +73,16 @@ def prompts_for(vocab: int, lengths=(1, 9, 30, 70), seed: int = 0) -> list[list[
 
 
 def gguf_blocks(folder: str, kind: str) -> dict:
-    """The checkpoint's projection weights as GGUF blocks of ``kind``, HF-named (as the loader gives them)."""
+    """The checkpoint's projection weights as GGUF blocks of ``kind``, HF-named (as the loader gives them);
+    kind "AWQ": as an AWQ checkpoint's groups of 32 give them (minimums float16 cannot hold)."""
     blocks = {}
     for name, w in load_file(f"{folder}/model.safetensors").items():
         if name.endswith("_proj.weight"):
             n, k = w.shape
+            if kind == "AWQ":
+                codes, zeros, scales = round_to_groups(w, 32)
+                blocks[name] = awq_blocks(pack_columns(codes), pack_columns(zeros), scales, 32, name)
+                continue
             data = gguf.quants.quantize(w.float().numpy().astype(np.float32), gguf.GGMLQuantizationType[kind])
             blocks[name] = decode_blocks(kind, data, n, k)
     return blocks
@@ -89,9 +95,11 @@ def gguf_blocks(folder: str, kind: str) -> dict:
     ("llama", "float16", None, False),     # float16 rounding between the ops (widened where the CPU lacks fp16 GEMMs)
     ("qwen2", "float32", "Q4_1", False),   # our C++ 4-bit kernel for small steps, with the bias added after it
     ("llama", "float16", "Q4_1", False),   # the same with float16 activations (the AVX-512 plans' kernel for them)
+    ("llama", "float16", "AWQ", False),    # the same kernel with AWQ's (scale, minimum) pairs in float32
     ("llama", "bfloat16", "Q4_0", True),   # torch's 4-bit kernel
     ("llama", "bfloat16", "Q8_0", False),  # our Q8_0 kernel (attached even where its crossover is 0 rows)
     ("qwen2", "bfloat16", "Q4_1 tiles", True),  # our AVX-512 BF16 tile kernels (skipped where the build lacks them)
+    ("qwen2", "bfloat16", "AWQ tiles", True),   # the 4-bit tiles with AWQ's float32 pairs
     ("llama", "bfloat16", "Q8_0 tiles", True),
 ])
 def test_tiny_checkpoints_equal_the_python_loop(tmp_path, monkeypatch, arch, dtype, kind, native_bf16):
@@ -115,7 +123,7 @@ def test_tiny_checkpoints_equal_the_python_loop(tmp_path, monkeypatch, arch, dty
             pytest.skip("this build has no AVX-512 BF16 tile kernels (AVX-512 BF16 CPUs only)")
         llm.generate([{"prompt_token_ids": [5]}], PARAMS, use_tqdm=False)  # builds the stack before the change
         model = llm.engine.runner.model
-        int4_kernel = "tiles" if tiles else "cpp" if kind == "Q4_1" else "torch"
+        int4_kernel = "tiles" if tiles else "cpp" if kind in ("Q4_1", "AWQ") else "torch"
         assert model.use_gguf_quantized(gguf_blocks(folder, kind), max_rows=8, int4_kernel=int4_kernel,
                                         q8_0_kernel="tiles" if tiles else "cpp") == 4 * model.config.num_layers
         # the stack must be rebuilt with the new kernels: a stale one would decode with the dense
@@ -127,10 +135,12 @@ def test_tiny_checkpoints_equal_the_python_loop(tmp_path, monkeypatch, arch, dty
             model.forward(torch.tensor([5]), torch.tensor([0]), None, llm.engine.runner.kv, backend)
         model.finalize(backend)
         kernel = model.layers[0].mlp.down_proj.small_batch
-        expected = {"Q8_0": Int8BlockMatmul, "Q4_1": Int4BlockMatmul, "Q4_0": Int4Matmul}[kind]
+        expected = {"Q8_0": Int8BlockMatmul, "Q4_1": Int4BlockMatmul, "AWQ": Int4BlockMatmul, "Q4_0": Int4Matmul}[kind]
         if tiles:
             expected = Int8TileMatmul if kind == "Q8_0" else Int4TileMatmul
         assert isinstance(kernel, expected)
+        if kind == "AWQ":
+            assert kernel.scale_min.dtype == torch.float32
     assert_stack_equals_python_loop(llm, prompts)
 
 

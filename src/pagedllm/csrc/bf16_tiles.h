@@ -50,7 +50,9 @@ typedef int32_t pair_bits __attribute__((may_alias));  // two bfloat16 inputs re
 inline __m512bh pair(const uint16_t* x) { return (__m512bh)_mm512_set1_epi32(*reinterpret_cast<const pair_bits*>(x)); }
 
 // 16 channels' scales (or minimums) as float32: from float16 bits, or float32 (AWQ's pairs)
-inline __m512 scales16(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline __m512 scales16(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
 inline __m512 scales16(const float* p) { return _mm512_loadu_ps(p); }
 
 // R rows of x (bfloat16 bits, row stride K) times 4-bit tile t; xsum [R, G] float32; S: uint16_t

@@ -456,8 +456,9 @@ inline void scale_pairs8(const float* p, __m256& lo, __m256& hi) {
 // R rows of x (float32, row stride K) times rows [begin, end) of a 4-bit weight in GGUF's Q4_0/Q4_1
 // block layout: 16 bytes per 32 weights, byte j holding weight j in its low nibble and weight j + 16
 // in its high one, and per block a (scale, minimum) pair of type S: float16 (GGUF's own, exact) or
-// float32 (AWQ's minimum -scale * zero needs more bits than float16 has), w = scale * q + minimum. Per row and block: the codes' products with x summed (4 FMAs), times the scale
-// (1 FMA); the minimums' share, sum over blocks of minimum * sum(x over the block), is one more
+// float32 (AWQ's minimum -scale * zero needs more bits than float16 has), w = scale * q + minimum.
+// Per row and block: the codes' products with x summed (4 FMAs), times the scale (1 FMA); the
+// minimums' share, sum over blocks of minimum * sum(x over the block), is one more
 // dot product per row over xsum (the block's x summed, once per call), 8 blocks per FMA. Every
 // row takes this same arithmetic whatever R is, so a row's result is the same bit for bit
 // whatever rows are beside it (speculative decoding's exactness needs it: a guess's row is
@@ -550,8 +551,8 @@ constexpr Q4Rows<S> kQ4Rows[] = {q4_rows<1, S>, q4_rows<2, S>, q4_rows<3, S>, q4
 
 // x [M, K] @ W^T for W given as 4-bit GGUF blocks (Q4_0 / Q4_1): codes uint8 [N, K / 2] in GGUF's
 // nibble order (see q4_rows), scale_min float16 or float32 [N, K / 32, 2] (w = scale * q + minimum;
-// Q4_0 is scale * (q - 8): minimum = -8 scale; float32 for AWQ's minimums, which float16 rounds). Float32 maths on the exact weights; each weight block is
-// unpacked once per group of up to 8 rows of x, and the weight is walked in chunks of 32 rows so a
+// Q4_0 is scale * (q - 8): minimum = -8 scale; float32 for AWQ's minimums, which float16 rounds).
+// Float32 maths on the exact weights; each weight block is unpacked once per group of up to 8 rows of x, and the weight is walked in chunks of 32 rows so a
 // chunk stays in cache across row groups. Returns float32 [M, N]. Meant for small M (decode steps).
 inline torch::Tensor q4_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scale_min) {
   TORCH_CHECK(x.dim() == 2 && codes.dim() == 2 && codes.scalar_type() == at::kByte, "expected x [M, K], codes uint8");

@@ -27,10 +27,10 @@ Q8_0 blocks on our tile kernels (``csrc/bf16_tiles.h``, VDPBF16PS) up to 16 rows
 family and AVX2 (measured on AVX-512 BF16, and with the AVX2 builds there): a float32 model's on
 our C++ 4-bit and Q8_0 kernels up to 32 rows; a float16 model's 4-bit blocks on our C++ kernel too
 (torch's int4 kernel is fast with bf16 activations only), and ``quantization="int8"``'s float32 and
-float16 rows on our C++ Q8_0 kernel. AMX: a bf16 model runs the 4-bit kernel at 1 row only and never the Q8_0 head;
-``step_tokens`` 2,048. AVX-512 without BF16: the 4-bit kernel up to 16 rows, the natively packed
-bf16 head at 1 row. AVX2 without AVX-512: our C++ 4-bit kernel and the Q8_0 head up to 16 rows,
-the panel GEMM for widened models.
+float16 rows on our C++ Q8_0 kernel. AMX: a bf16 model runs the 4-bit kernel at 1 row only and
+never the Q8_0 head; ``step_tokens`` 2,048. AVX-512 without BF16: the 4-bit kernel up to 16 rows,
+the natively packed bf16 head at 1 row. AVX2 without AVX-512: a bf16/fp16 model's blocks on our
+C++ 4-bit kernel and the Q8_0 head up to 16 rows, the panel GEMM for its widened dense weights.
 """
 
 from __future__ import annotations
