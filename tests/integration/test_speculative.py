@@ -96,7 +96,14 @@ def test_structured_output_cuts_guesses_the_grammar_rejects(smollm):
     assert got.token_ids == plain.token_ids and got.finish_reason == plain.finish_reason
     if got.finish_reason == "stop":
         assert "text" in json.loads(got.text)
-    assert spec_stats(smollm["ngram"])["spec_decode_num_accepted_tokens"] > before
+    accepted = spec_stats(smollm["ngram"])["spec_decode_num_accepted_tokens"] - before
+    limit = smollm["ngram"].engine.scheduler.drafter.row_limit
+    if limit is not None and limit < 2:
+        # a CPU family whose small-step kernels compute rows alone only one at a time (AVX-512 without
+        # BF16: its 1-row bf16 head) verifies no guess exactly, so its drafter makes none
+        assert accepted == 0, smollm["ngram"].engine.kernel_plan.family
+    else:
+        assert accepted > 0
     assert_all_free(smollm["ngram"])
 
 
