@@ -132,6 +132,35 @@ def test_fused_rope_store_attend_equals_the_unfused_path(backend, dtype):
         torch.testing.assert_close(unfused.float(), fused.float(), atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("head_dim", [32, 48, 64])
+def test_fused_rope_rounds_a_bf16_row_once_from_float32(head_dim):
+    """The fused RoPE of a bf16 row: float32 products, no FMA, one rounding (as c10::BFloat16
+    rounds), whether its dims run on vectors (16 or 8 at a time) or on the scalar tail (48: half a
+    head of 24 dims is one 16-dim vector and 8 more on AVX-512)."""
+    from pagedllm.config import RopeScaling
+    from pagedllm.models.layers import RotaryEmbedding
+
+    heads, kv_heads = 9, 3
+    backend = CpuBackend(head_dim ** -0.5, load_cpu_kernel())
+    k_cache, v_cache, _, _, _, meta, _ = build_case([(40, 9), (16, 16), (5, 1)], B, heads, kv_heads, torch.bfloat16,
+                                                    seed=3, head_dim=head_dim)
+    rotary = RotaryEmbedding(head_dim, 512, 100000.0, RopeScaling(), torch.bfloat16)
+    num_tokens = int(meta.slot_mapping.shape[0])
+    qkv = torch.randn(num_tokens, (heads + 2 * kv_heads) * head_dim, generator=torch.Generator().manual_seed(4))
+    qkv = qkv.bfloat16()
+    positions = torch.tensor([p for i, ctx in enumerate(meta.seq_lens_list)
+                              for p in range(ctx - (meta.query_start_loc_list[i + 1] - meta.query_start_loc_list[i]),
+                                             ctx)])
+    backend.rope_store_attend(qkv, rotary.cos, rotary.sin, positions, LayerKV(k_cache, v_cache), meta, heads)
+    k = qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].reshape(num_tokens, kv_heads, head_dim).float()
+    cos, sin = rotary.cos[positions].float().unsqueeze(1), rotary.sin[positions].float().unsqueeze(1)
+    half = head_dim // 2
+    x1, x2 = k[..., :half], k[..., half:]
+    once = torch.cat([x1 * cos[..., :half] - x2 * sin[..., :half], x2 * cos[..., half:] + x1 * sin[..., half:]], -1)
+    stored = k_cache.view(-1, kv_heads, head_dim)[meta.slot_mapping]
+    assert torch.equal(stored, once.bfloat16())
+
+
 @pytest.mark.parametrize("head_dim", [48, 64, 128])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compiled_head_dims_match_dense(monkeypatch, head_dim, dtype):

@@ -31,6 +31,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu_vec.h"
+
 namespace bf16_tiles {
 
 constexpr int64_t kTile = 16;  // output channels per tile
@@ -55,10 +57,17 @@ inline __m512 scales16(const uint16_t* p) {
 }
 inline __m512 scales16(const float* p) { return _mm512_loadu_ps(p); }
 
+// 16 outputs stored as float32, or rounded to bfloat16 bits (O = uint16_t) to nearest even as torch's
+// .to(bfloat16) rounds them (a NaN as c10::BFloat16 writes it)
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store16(uint16_t* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(pagedllm_cpu::bf16_bits(v)));
+}
+
 // R rows of x (bfloat16 bits, row stride K) times 4-bit tile t; xsum [R, G] float32; S: uint16_t
-// (float16 bits) or float, the scale_min type.
-template <int R, typename S>
-void q4_rows(const uint16_t* x, const float* xsum, const uint8_t* codes, const S* scale_min, float* out,
+// (float16 bits) or float, the scale_min type; O: float or uint16_t (bfloat16 bits), the output's.
+template <int R, typename S, typename O>
+void q4_rows(const uint16_t* x, const float* xsum, const uint8_t* codes, const S* scale_min, O* out,
              int64_t out_stride, int64_t K, int64_t t) {
   const int64_t G = K / 32;
   // bfloat16 bits of 0..15, indexed by a code (VPERMW reads each index's low 5 bits)
@@ -90,12 +99,12 @@ void q4_rows(const uint16_t* x, const float* xsum, const uint8_t* codes, const S
       acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[r * G + g]), acc[r]);
     }
   }
-  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * out_stride + t * kTile, acc[r]);
+  for (int r = 0; r < R; ++r) store16(out + r * out_stride + t * kTile, acc[r]);
 }
 
-// R rows of x (bfloat16 bits, row stride K) times Q8_0 tile t.
-template <int R>
-void q8_0_rows(const uint16_t* x, const int8_t* codes, const float* scales, float* out, int64_t out_stride, int64_t K,
+// R rows of x (bfloat16 bits, row stride K) times Q8_0 tile t; O as in q4_rows.
+template <int R, typename O>
+void q8_0_rows(const uint16_t* x, const int8_t* codes, const float* scales, O* out, int64_t out_stride, int64_t K,
                int64_t t) {
   const int64_t G = K / 32;
   __m512 acc[R];
@@ -122,17 +131,19 @@ void q8_0_rows(const uint16_t* x, const int8_t* codes, const float* scales, floa
     const __m512 d = _mm512_loadu_ps(scales + (t * G + g) * kTile);
     for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_add_ps(even[r], odd[r]), d, acc[r]);
   }
-  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * out_stride + t * kTile, acc[r]);
+  for (int r = 0; r < R; ++r) store16(out + r * out_stride + t * kTile, acc[r]);
 }
 
-template <typename S>
-using Q4Rows = void (*)(const uint16_t*, const float*, const uint8_t*, const S*, float*, int64_t, int64_t, int64_t);
-template <typename S>
-constexpr Q4Rows<S> kQ4Rows[] = {q4_rows<1, S>, q4_rows<2, S>, q4_rows<3, S>, q4_rows<4, S>,
-                                 q4_rows<5, S>, q4_rows<6, S>, q4_rows<7, S>, q4_rows<8, S>};
-using Q8Rows = void (*)(const uint16_t*, const int8_t*, const float*, float*, int64_t, int64_t, int64_t);
-constexpr Q8Rows kQ8Rows[] = {q8_0_rows<1>, q8_0_rows<2>, q8_0_rows<3>, q8_0_rows<4>,
-                              q8_0_rows<5>, q8_0_rows<6>, q8_0_rows<7>, q8_0_rows<8>};
+template <typename S, typename O>
+using Q4Rows = void (*)(const uint16_t*, const float*, const uint8_t*, const S*, O*, int64_t, int64_t, int64_t);
+template <typename S, typename O>
+constexpr Q4Rows<S, O> kQ4Rows[] = {q4_rows<1, S, O>, q4_rows<2, S, O>, q4_rows<3, S, O>, q4_rows<4, S, O>,
+                                    q4_rows<5, S, O>, q4_rows<6, S, O>, q4_rows<7, S, O>, q4_rows<8, S, O>};
+template <typename O>
+using Q8Rows = void (*)(const uint16_t*, const int8_t*, const float*, O*, int64_t, int64_t, int64_t);
+template <typename O>
+constexpr Q8Rows<O> kQ8Rows[] = {q8_0_rows<1, O>, q8_0_rows<2, O>, q8_0_rows<3, O>, q8_0_rows<4, O>,
+                                 q8_0_rows<5, O>, q8_0_rows<6, O>, q8_0_rows<7, O>, q8_0_rows<8, O>};
 #endif
 
 inline void check_x(const torch::Tensor& x) {
@@ -141,8 +152,9 @@ inline void check_x(const torch::Tensor& x) {
   TORCH_CHECK(x.size(1) % 32 == 0, "K must be a multiple of 32");
 }
 
-// x bfloat16 [M, K] @ W^T for W's 4-bit blocks in the tile layout above; returns float32 [M, N].
-inline torch::Tensor q4_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scale_min) {
+// x bfloat16 [M, K] @ W^T for W's 4-bit blocks in the tile layout above; returns float32 [M, N], or
+// bfloat16 with bf16_out (each float32 sum rounded once, in the kernel: no second pass over the rows).
+inline torch::Tensor q4_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scale_min, bool bf16_out = false) {
   check_x(x);
   const int64_t M = x.size(0), K = x.size(1), G = K / 32;
   TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 4 && codes.size(1) == G && codes.size(2) == 8 &&
@@ -157,7 +169,7 @@ inline torch::Tensor q4_linear(torch::Tensor x, torch::Tensor codes, torch::Tens
   codes = codes.contiguous();
   scale_min = scale_min.contiguous();
   x = x.contiguous();
-  auto out = torch::empty({M, N}, x.options().dtype(at::kFloat));
+  auto out = torch::empty({M, N}, x.options().dtype(bf16_out ? at::kBFloat16 : at::kFloat));
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
   const uint16_t* xs = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   std::vector<float> xsum(M * G);  // each row's x summed over each block, in float32 (a fixed order)
@@ -167,30 +179,38 @@ inline torch::Tensor q4_linear(torch::Tensor x, torch::Tensor codes, torch::Tens
     for (int j = 0; j < 8; ++j) part[j] = (f(j) + f(j + 8)) + (f(j + 16) + f(j + 24));
     xsum[i] = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
   }
-  float* os = out.data_ptr<float>();
   const uint8_t* cs = codes.data_ptr<uint8_t>();
-  auto walk = [&](const auto* sms) {
+  auto walk = [&](const auto* sms, auto* os) {
     using S = std::remove_const_t<std::remove_pointer_t<decltype(sms)>>;
+    using O = std::remove_pointer_t<decltype(os)>;
     at::parallel_for(0, T, 4, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {  // a tile's codes stay in cache across row groups
         for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
           const int64_t rows = std::min<int64_t>(kMaxRows, M - m0);
-          kQ4Rows<S>[rows - 1](xs + m0 * K, xsum.data() + m0 * G, cs, sms, os + m0 * N, N, K, t);
+          kQ4Rows<S, O>[rows - 1](xs + m0 * K, xsum.data() + m0 * G, cs, sms, os + m0 * N, N, K, t);
         }
       }
     });
   };
+  auto with_out = [&](const auto* sms) {
+    if (bf16_out) {
+      walk(sms, reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()));
+    } else {
+      walk(sms, out.data_ptr<float>());
+    }
+  };
   if (half_pairs) {
-    walk(reinterpret_cast<const uint16_t*>(scale_min.data_ptr<at::Half>()));
+    with_out(reinterpret_cast<const uint16_t*>(scale_min.data_ptr<at::Half>()));
   } else {
-    walk(static_cast<const float*>(scale_min.data_ptr<float>()));
+    with_out(static_cast<const float*>(scale_min.data_ptr<float>()));
   }
 #endif
   return out;
 }
 
-// x bfloat16 [M, K] @ W^T for W's Q8_0 blocks in the tile layout above; returns float32 [M, N].
-inline torch::Tensor q8_0_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales) {
+// x bfloat16 [M, K] @ W^T for W's Q8_0 blocks in the tile layout above; returns float32 [M, N], or
+// bfloat16 with bf16_out (as q4_linear).
+inline torch::Tensor q8_0_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, bool bf16_out = false) {
   check_x(x);
   const int64_t M = x.size(0), K = x.size(1), G = K / 32;
   TORCH_CHECK(codes.scalar_type() == at::kChar && codes.dim() == 4 && codes.size(1) == G && codes.size(2) == 16 &&
@@ -203,20 +223,27 @@ inline torch::Tensor q8_0_linear(torch::Tensor x, torch::Tensor codes, torch::Te
   codes = codes.contiguous();
   scales = scales.contiguous();
   x = x.contiguous();
-  auto out = torch::empty({M, N}, x.options().dtype(at::kFloat));
+  auto out = torch::empty({M, N}, x.options().dtype(bf16_out ? at::kBFloat16 : at::kFloat));
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
   const uint16_t* xs = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-  float* os = out.data_ptr<float>();
   const int8_t* cs = codes.data_ptr<int8_t>();
   const float* ss = scales.data_ptr<float>();
-  at::parallel_for(0, T, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
-        const int64_t rows = std::min<int64_t>(kMaxRows, M - m0);
-        kQ8Rows[rows - 1](xs + m0 * K, cs, ss, os + m0 * N, N, K, t);
+  auto walk = [&](auto* os) {
+    using O = std::remove_pointer_t<decltype(os)>;
+    at::parallel_for(0, T, 4, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
+          const int64_t rows = std::min<int64_t>(kMaxRows, M - m0);
+          kQ8Rows<O>[rows - 1](xs + m0 * K, cs, ss, os + m0 * N, N, K, t);
+        }
       }
-    }
-  });
+    });
+  };
+  if (bf16_out) {
+    walk(reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()));
+  } else {
+    walk(out.data_ptr<float>());
+  }
 #endif
   return out;
 }

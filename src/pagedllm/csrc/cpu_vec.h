@@ -1,5 +1,6 @@
 // Shared by the C++ extensions: 16-float vectors (GCC/Clang vector extensions: AVX-512 with
-// -march=native, narrower ISAs split them), a horizontal sum, and a vectorisable exp.
+// -march=native, narrower ISAs split them), a horizontal sum, a vectorisable exp, and float32 lanes
+// rounded to bfloat16 bits as torch rounds them.
 #pragma once
 
 #include <cstdint>
@@ -126,5 +127,27 @@ inline v16 reduce16(const v16* x) {
   return __builtin_shufflevector(w[0], w[1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
          __builtin_shufflevector(w[0], w[1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
 }
+
+#ifdef __AVX512F__
+// 16 float32 lanes -> their bfloat16 bits in the low half of each 32-bit lane: round to nearest even,
+// NaN -> 0x7fc0, denormals kept, as c10::BFloat16 rounds (vcvtneps2bf16 reads denormals as zero).
+inline __m512i bf16_bits(__m512 x) {
+  const __m512i b = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7fff)), lsb);
+  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+  return _mm512_mask_blend_epi32(nan, _mm512_srli_epi32(rounded, 16), _mm512_set1_epi32(0x7fc0));
+}
+#endif
+
+#if defined(__AVX2__) && !defined(__AVX512F__)
+inline __m256i bf16_bits8(__m256 x) {  // bf16_bits on 8 lanes
+  const __m256i b = _mm256_castps_si256(x);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(b, _mm256_set1_epi32(0x7fff)), lsb), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+  return _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7fc0), nan);
+}
+#endif
 
 }  // namespace pagedllm_cpu

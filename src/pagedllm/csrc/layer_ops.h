@@ -137,13 +137,6 @@ inline __m512 load16(const c10::BFloat16* p) {
 inline __m512 load16(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
-inline __m512i bf16_bits(__m512 x) {  // round to nearest even in the top 16 bits; NaN -> quiet NaN
-  const __m512i b = _mm512_castps_si512(x);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7fff)), lsb);
-  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-  return _mm512_mask_blend_epi32(nan, _mm512_srli_epi32(rounded, 16), _mm512_set1_epi32(0x7fc0));
-}
 inline __m512 round16(__m512 x, const float*) { return x; }
 inline __m512 round16(__m512 x, const c10::BFloat16*) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(x), 16));
@@ -173,13 +166,6 @@ inline __m256 load8(const c10::BFloat16* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 inline __m256 load8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
-inline __m256i bf16_bits8(__m256 x) {  // round to nearest even in the top 16 bits; NaN -> quiet NaN
-  const __m256i b = _mm256_castps_si256(x);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
-  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(b, _mm256_set1_epi32(0x7fff)), lsb), 16);
-  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
-  return _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7fc0), nan);
-}
 inline __m256 round8(__m256 x, const float*) { return x; }
 inline __m256 round8(__m256 x, const c10::BFloat16*) { return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits8(x), 16)); }
 inline __m256 round8(__m256 x, const c10::Half*) {

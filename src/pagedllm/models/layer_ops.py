@@ -70,11 +70,15 @@ class CpuLayerOps(TorchLayerOps):
     def q4_linear(self, x: torch.Tensor, codes: torch.Tensor, scale_min: torch.Tensor) -> torch.Tensor:
         return self.ops.q4_linear(x, codes, scale_min)
 
-    def q4_tiles_linear(self, x: torch.Tensor, codes: torch.Tensor, scale_min: torch.Tensor) -> torch.Tensor:
-        return self.ops.q4_tiles_linear(x, codes, scale_min)
+    def q4_tiles_linear(self, x: torch.Tensor, codes: torch.Tensor, scale_min: torch.Tensor,
+                        bf16_out: bool = False) -> torch.Tensor:
+        """float32 out, or bfloat16 (rounded in the kernel) with ``bf16_out``."""
+        return self.ops.q4_tiles_linear(x, codes, scale_min, bf16_out)
 
-    def q8_0_tiles_linear(self, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-        return self.ops.q8_0_tiles_linear(x, codes, scales)
+    def q8_0_tiles_linear(self, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                          bf16_out: bool = False) -> torch.Tensor:
+        """float32 out, or bfloat16 (rounded in the kernel) with ``bf16_out``."""
+        return self.ops.q8_0_tiles_linear(x, codes, scales, bf16_out)
 
     def has_bf16_tiles(self) -> bool:
         """Whether this build has the AVX-512 BF16 tile kernels (``csrc/bf16_tiles.h``)."""

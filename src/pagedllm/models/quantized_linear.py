@@ -114,7 +114,7 @@ class Int4TileMatmul:
         return weight.bits == 4 and weight.codes.shape[0] % cls.TILE == 0
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.layer_ops.q4_tiles_linear(x, self.codes, self.scale_min).to(x.dtype)
+        return self.layer_ops.q4_tiles_linear(x, self.codes, self.scale_min, bf16_out=True)
 
 
 class Int8TileMatmul:
@@ -141,7 +141,7 @@ class Int8TileMatmul:
         return weight.bits == 8 and weight.codes.shape[0] % cls.TILE == 0
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.layer_ops.q8_0_tiles_linear(x, self.codes, self.scales).to(x.dtype)
+        return self.layer_ops.q8_0_tiles_linear(x, self.codes, self.scales, bf16_out=True)
 
 
 class Int8BlockMatmul:

@@ -1758,7 +1758,9 @@ void store_layer(torch::Tensor key, torch::Tensor value, const pagedllm_cpu::Lay
 
 // RoPE (rotate-half convention) on one row of `heads` heads: out = x * cos + rotate_half(x) * sin,
 // each product rounded before the sum, as torch computes it (no FMA contraction), so float32
-// results equal the unfused path bit for bit.
+// results equal the unfused path bit for bit; a bf16/fp16 row is computed in float32 and rounded
+// once. A bf16 row runs 16 (AVX-512) or 8 (AVX2) dims at a time, rounded as c10::BFloat16 rounds
+// (bf16_bits): the same bits as the scalar loop, which takes the dims past the last whole vector.
 template <typename T>
 __attribute__((optimize("fp-contract=off"))) void rope_row(const T* x, const T* cos, const T* sin, T* out,
                                                            int64_t heads, int64_t D) {
@@ -1766,7 +1768,41 @@ __attribute__((optimize("fp-contract=off"))) void rope_row(const T* x, const T* 
   for (int64_t h = 0; h < heads; ++h) {
     const T* xh = x + h * D;
     T* oh = out + h * D;
-    for (int64_t d = 0; d < half; ++d) {
+    int64_t d = 0;
+    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+#if defined(__AVX512F__)
+      auto widen = [](const T* p) {
+        return _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+      };
+      auto put = [](T* p, __m512 v) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bf16_bits(v)));
+      };
+      for (; d + 16 <= half; d += 16) {
+        const __m512 x1 = widen(xh + d), x2 = widen(xh + d + half);
+        put(oh + d, _mm512_sub_ps(_mm512_mul_ps(x1, widen(cos + d)), _mm512_mul_ps(x2, widen(sin + d))));
+        put(oh + d + half,
+            _mm512_add_ps(_mm512_mul_ps(x2, widen(cos + d + half)), _mm512_mul_ps(x1, widen(sin + d + half))));
+      }
+#elif defined(__AVX2__)
+      auto widen = [](const T* p) {
+        return _mm256_castsi256_ps(
+            _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+      };
+      auto put = [](T* p, __m256 v) {
+        const __m256i bits = bf16_bits8(v);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                         _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1)));
+      };
+      for (; d + 8 <= half; d += 8) {
+        const __m256 x1 = widen(xh + d), x2 = widen(xh + d + half);
+        put(oh + d, _mm256_sub_ps(_mm256_mul_ps(x1, widen(cos + d)), _mm256_mul_ps(x2, widen(sin + d))));
+        put(oh + d + half,
+            _mm256_add_ps(_mm256_mul_ps(x2, widen(cos + d + half)), _mm256_mul_ps(x1, widen(sin + d + half))));
+      }
+#endif
+    }
+    for (; d < half; ++d) {
       const float x1 = static_cast<float>(xh[d]), x2 = static_cast<float>(xh[d + half]);
       const float a = x1 * static_cast<float>(cos[d]), b = x2 * static_cast<float>(sin[d]);
       const float c = x2 * static_cast<float>(cos[d + half]), e = x1 * static_cast<float>(sin[d + half]);

@@ -103,10 +103,10 @@ struct Projection {
         y = q4_linear(x, small_a, small_b).to(x.scalar_type());
       } else if (small == kQ4Tiles) {
         RECORD_FUNCTION("pagedllm::q4_tiles_linear", std::vector<c10::IValue>());
-        y = bf16_tiles::q4_linear(x, small_a, small_b).to(x.scalar_type());
+        y = bf16_tiles::q4_linear(x, small_a, small_b, /*bf16_out=*/true);
       } else if (small == kQ8_0Tiles) {
         RECORD_FUNCTION("pagedllm::q8_0_tiles_linear", std::vector<c10::IValue>());
-        y = bf16_tiles::q8_0_linear(x, small_a, small_b).to(x.scalar_type());
+        y = bf16_tiles::q8_0_linear(x, small_a, small_b, /*bf16_out=*/true);
       } else {
         RECORD_FUNCTION("pagedllm::q8_0_linear", std::vector<c10::IValue>());
         y = q8_0_linear(x, small_a, small_b).to(x.scalar_type());

@@ -12,9 +12,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q8_0_linear", &q8_0_linear, "x @ W^T with W in GGUF Q8_0 blocks, float32 out (CPU)");
   m.def("q4_linear", &q4_linear, "x @ W^T with W in GGUF Q4_0/Q4_1 blocks, float32 out (CPU)");
   m.def("q4_tiles_linear", &bf16_tiles::q4_linear,
-        "bfloat16 x @ W^T with W's GGUF Q4_0/Q4_1 blocks in tiles of 16 channels, float32 out (AVX-512 BF16)");
+        "bfloat16 x @ W^T with W's GGUF Q4_0/Q4_1 blocks in tiles of 16 channels, float32 out (bfloat16 with "
+        "bf16_out) (AVX-512 BF16)",
+        pybind11::arg("x"), pybind11::arg("codes"), pybind11::arg("scale_min"), pybind11::arg("bf16_out") = false);
   m.def("q8_0_tiles_linear", &bf16_tiles::q8_0_linear,
-        "bfloat16 x @ W^T with W's GGUF Q8_0 blocks in tiles of 16 channels, float32 out (AVX-512 BF16)");
+        "bfloat16 x @ W^T with W's GGUF Q8_0 blocks in tiles of 16 channels, float32 out (bfloat16 with "
+        "bf16_out) (AVX-512 BF16)",
+        pybind11::arg("x"), pybind11::arg("codes"), pybind11::arg("scales"), pybind11::arg("bf16_out") = false);
   m.def("has_bf16_tiles", &bf16_tiles::available, "whether this build has the AVX-512 BF16 tile kernels");
   m.def("panel_linear", &panel_gemm::panel_linear, "x @ W^T + bias with W in float32 panels of 16 columns (AVX2)",
         pybind11::arg("x"), pybind11::arg("panels"), pybind11::arg("bias"), pybind11::arg("n"));
