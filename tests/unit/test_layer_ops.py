@@ -379,3 +379,28 @@ def test_a_linear_widened_into_panels_rounds_the_float32_product_once(panel_ops,
         assert torch.equal(y, panel_ops.panel_linear(x, lin.panels, lin.packed_bias, 50).to(dtype))
         exact = torch.nn.functional.linear(x.float(), weight, bias32)
         torch.testing.assert_close(y.float(), exact, rtol=2**-8 if dtype == torch.bfloat16 else 2**-10, atol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_argmax_picks_what_torch_max_picks(ops, dtype):
+    """Our one-pass row argmax (the sampler's greedy pick) against torch.max(dim=-1).indices: rows
+    shorter than a vector, a whole number of vectors and a tail, SmolLM2's 49,152; ties (the first
+    wins, across lanes and within one), infinities, all -inf, and NaNs (the first NaN wins) in the
+    vector part and in the tail."""
+    gen = torch.Generator().manual_seed(11)
+    for n in (1, 3, 7, 8, 15, 16, 17, 33, 49_152):
+        x = torch.randn(12, n, generator=gen)
+        x[1] = 0.5  # all tied: index 0
+        x[2] = -float("inf")
+        if n > 2:
+            x[3, n // 2] = x[3, n - 1] = 9.0  # a tie of two maxima
+            x[4, n - 1] = float("inf")
+            x[5, n // 3] = float("nan")
+            x[6, n - 1] = float("nan")
+            x[7, 1] = x[7, n - 1] = float("nan")
+            x[8, n - 2] = 9.0
+            x[8, 0] = 9.0  # the first lane's tie
+        rows = x.to(dtype)
+        torch_pick = rows.max(dim=-1).indices
+        assert torch.equal(ops.row_argmax(rows), torch_pick), n
+        assert torch.equal(ops.row_argmax(rows[::2]), torch_pick[::2]), n  # not contiguous: copied first

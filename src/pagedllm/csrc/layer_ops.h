@@ -355,6 +355,105 @@ inline torch::Tensor silu_mul_to(torch::Tensor gate_up, at::ScalarType dtype, at
 
 inline torch::Tensor silu_mul(torch::Tensor gate_up) { return silu_mul_to(gate_up, gate_up.scalar_type(), gate_up.scalar_type()); }
 
+// One row's first index of its largest value, a NaN counting as the largest (the first NaN wins), as
+// torch.max(dim=-1) picks: lane k keeps the first index of its own largest value (a strict >), the
+// lanes then give the smallest index holding the largest of them; a row with a NaN is scanned again.
+template <typename T>
+int64_t argmax_row(const T* p, int64_t n) {
+  int64_t i = 0, best = 0;
+  float top = -std::numeric_limits<float>::infinity();
+  bool nan = false;
+#ifdef __AVX512F__
+  if (n >= 16) {
+    const __m512i step = _mm512_set1_epi32(16);
+    __m512i index = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512 lane_top = load16(p);
+    __m512i lane_best = index;
+    __mmask16 nans = _mm512_cmp_ps_mask(lane_top, lane_top, _CMP_UNORD_Q);
+    for (i = 16; i + 16 <= n; i += 16) {
+      index = _mm512_add_epi32(index, step);
+      const __m512 v = load16(p + i);
+      const __mmask16 above = _mm512_cmp_ps_mask(v, lane_top, _CMP_GT_OQ);
+      lane_top = _mm512_mask_mov_ps(lane_top, above, v);
+      lane_best = _mm512_mask_mov_epi32(lane_best, above, index);
+      nans |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    }
+    nan = nans != 0;
+    top = _mm512_reduce_max_ps(lane_top);
+    const __mmask16 at_top = _mm512_cmp_ps_mask(lane_top, _mm512_set1_ps(top), _CMP_EQ_OQ);
+    best = _mm512_mask_reduce_min_epi32(at_top, lane_best);
+  }
+#elif defined(__AVX2__)
+  if (n >= 8) {
+    const __m256i step = _mm256_set1_epi32(8);
+    __m256i index = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    __m256 lane_top = load8(p);
+    __m256i lane_best = index;
+    __m256 nans = _mm256_cmp_ps(lane_top, lane_top, _CMP_UNORD_Q);
+    for (i = 8; i + 8 <= n; i += 8) {
+      index = _mm256_add_epi32(index, step);
+      const __m256 v = load8(p + i);
+      const __m256 above = _mm256_cmp_ps(v, lane_top, _CMP_GT_OQ);
+      lane_top = _mm256_blendv_ps(lane_top, v, above);
+      lane_best = _mm256_castps_si256(
+          _mm256_blendv_ps(_mm256_castsi256_ps(lane_best), _mm256_castsi256_ps(index), above));
+      nans = _mm256_or_ps(nans, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    }
+    nan = _mm256_movemask_ps(nans) != 0;
+    alignas(32) float tops[8];
+    alignas(32) int32_t bests[8];
+    _mm256_store_ps(tops, lane_top);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(bests), lane_best);
+    top = *std::max_element(tops, tops + 8);
+    best = n;
+    for (int k = 0; k < 8; ++k) {
+      if (tops[k] == top) best = std::min<int64_t>(best, bests[k]);
+    }
+  }
+#endif
+  if (i == 0) {  // a row shorter than one vector
+    top = static_cast<float>(p[0]);
+    nan = std::isnan(top);
+    i = 1;
+  }
+  for (; i < n && !nan; ++i) {  // the tail past the last whole vector: later indices, so a strict >
+    const float v = static_cast<float>(p[i]);
+    nan = std::isnan(v);
+    if (v > top) {
+      top = v;
+      best = i;
+    }
+  }
+  if (nan) {
+    for (i = 0; i < n; ++i) {
+      if (std::isnan(static_cast<float>(p[i]))) return i;
+    }
+  }
+  return best;
+}
+
+// Each row's argmax_row: float32 or bfloat16 rows [M, V] -> int64 [M] (what torch.max(dim=-1).indices
+// gives, without its slower reduction: docs/design.md).
+inline torch::Tensor row_argmax(torch::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) > 0, "row_argmax takes [rows, n] with n >= 1");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "row_argmax takes float32 or bfloat16");
+  x = x.contiguous();
+  const int64_t M = x.size(0), n = x.size(1);
+  auto out = torch::empty({M}, x.options().dtype(at::kLong));
+  int64_t* o = out.data_ptr<int64_t>();
+  auto rows = [&](const auto* p) {
+    at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) o[r] = argmax_row(p + r * n, n);
+    });
+  };
+  if (x.scalar_type() == at::kFloat) {
+    rows(x.data_ptr<float>());
+  } else {
+    rows(x.data_ptr<at::BFloat16>());
+  }
+  return out;
+}
+
 namespace {
 
 // 16 signed bytes -> 16 floats (GCC scalarises __builtin_convertvector from int8, so use AVX-512 directly)

@@ -112,7 +112,7 @@ class ModelRunner:
         self.host = host
         self.backend = backend
         self.device = device
-        self.sampler = Sampler()
+        self.sampler = Sampler(model.layer_ops.row_argmax)
         self._generators: dict[str, torch.Generator] = {}
 
     def _generator(self, req: Request) -> torch.Generator | None:

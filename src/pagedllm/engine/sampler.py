@@ -14,7 +14,7 @@ Between steps the sampler keeps only scratch buffers (the bitmask applier's).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -34,14 +34,18 @@ class TokenLogprobs:
     top_ranks: list[int] | None = None  # each top entry's rank, where top is not the top k (logprob_token_ids)
 
 
-def row_argmax(x: torch.Tensor) -> list[int]:
+Argmax = Callable[[torch.Tensor], torch.Tensor]  # [rows, n] -> int64 [rows]: each row's first largest
+
+
+def row_argmax(x: torch.Tensor, argmax: Argmax | None = None) -> list[int]:
     """Each row's first index of its largest value, as ``argmax(dim=-1)`` (both take the first
-    index of a tie), through ``max``, whose reduction is faster than ``argmax``'s on the CPUs
-    measured (docs/design.md, "Figures behind the code's choices")."""
-    return x.max(dim=-1).indices.tolist()
+    index of a tie), through ``argmax`` where given (the model's layer ops: on CPU our one-pass
+    kernel), else ``max``, whose reduction is faster than ``argmax``'s on the CPUs measured
+    (docs/design.md, "Figures behind the code's choices")."""
+    return (argmax(x) if argmax is not None else x.max(dim=-1).indices).tolist()
 
 
-def draw(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> list[int]:
+def draw(probs: torch.Tensor, generators: Sequence[torch.Generator | None], argmax: Argmax | None = None) -> list[int]:
     """One token per row of ``probs`` by the exponential race ``argmax(p / E)``, ``E = -log U`` with
     ``U`` uniform from the row's generator. The race, unlike inverse transform sampling, keeps its
     pick when the probabilities move by rounding (a recomputed prefix, another batch shape): the
@@ -51,7 +55,7 @@ def draw(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> l
     noise = torch.empty_like(probs)
     for j, g in enumerate(generators):
         noise[j].uniform_(generator=g)
-    return row_argmax(probs / noise.log_().neg_())
+    return row_argmax(probs / noise.log_().neg_(), argmax)
 
 
 def token_counts(token_lists: Sequence[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
@@ -189,10 +193,11 @@ def logprobs_of(logits: torch.Tensor, token_ids: Sequence[int], k: int,
 
 
 class Sampler:
-    """Samples one token per row of a logits batch."""
+    """Samples one token per row of a logits batch; ``argmax``: the row pick to use (``row_argmax``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, argmax: Argmax | None = None) -> None:
         self._masker = BitmaskApplier()
+        self._argmax = argmax
 
     def sample(self, logits: torch.Tensor, reqs: Sequence[Request], generators: Sequence[torch.Generator | None],
                grammar: GrammarBitmask | None = None) -> tuple[list[int], dict[int, TokenLogprobs]]:
@@ -243,7 +248,7 @@ class Sampler:
                 generators: Sequence[torch.Generator | None]) -> list[int]:
         params = [r.sampling_params for r in reqs]
         sampled = [i for i, p in enumerate(params) if not p.greedy]
-        out = row_argmax(logits) if len(sampled) < len(params) else [0] * len(params)
+        out = row_argmax(logits, self._argmax) if len(sampled) < len(params) else [0] * len(params)
         if not sampled:
             return out
         device = logits.device
@@ -257,6 +262,6 @@ class Sampler:
             sub = apply_min_p(sub, column([p.min_p for p in ps]))
         if any(p.top_k > 0 or p.top_p < 1.0 for p in ps):
             sub = apply_top_k_top_p(sub, column([p.top_k for p in ps], torch.long), column([p.top_p for p in ps]))
-        for i, t in zip(sampled, draw(sub.softmax(-1), [generators[i] for i in sampled]), strict=True):
+        for i, t in zip(sampled, draw(sub.softmax(-1), [generators[i] for i in sampled], self._argmax), strict=True):
             out[i] = t
         return out

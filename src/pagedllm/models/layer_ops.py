@@ -46,6 +46,10 @@ class TorchLayerOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def row_argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """Each row's first index of its largest value (a NaN the largest), int64 [rows]."""
+        return x.max(dim=-1).indices
+
 
 class CpuLayerOps(TorchLayerOps):
     name = "cpu"
@@ -63,6 +67,13 @@ class CpuLayerOps(TorchLayerOps):
 
     def silu_mul(self, gate_up):
         return self.ops.silu_mul(gate_up)
+
+    def row_argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """torch's pick in one vectorised pass per row: 0.17 -> 0.03 ms for 8 rows of SmolLM2's 49,152
+        logits (docs/design.md); float32 and bfloat16 CPU rows, torch's ``max`` for any other."""
+        if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16) or x.dim() != 2 or not x.shape[1]:
+            return super().row_argmax(x)
+        return self.ops.row_argmax(x)
 
     def q8_0_linear(self, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         return self.ops.q8_0_linear(x, codes, scales)

@@ -9,6 +9,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm of each row (CPU)");
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x in place, then RMSNorm of it (CPU)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of fused gate_up rows (CPU)");
+  m.def("row_argmax", &row_argmax, "each row's first index of its largest value, as torch.max(dim=-1) (CPU)");
   m.def("q8_0_linear", &q8_0_linear, "x @ W^T with W in GGUF Q8_0 blocks, float32 out (CPU)");
   m.def("q4_linear", &q4_linear, "x @ W^T with W in GGUF Q4_0/Q4_1 blocks, float32 out (CPU)");
   m.def("q4_tiles_linear", &bf16_tiles::q4_linear,
