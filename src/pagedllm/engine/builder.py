@@ -133,6 +133,9 @@ def load_shard(options: EngineOptions, tensor_parallel=None, weights=None) -> Lo
     return LoadedShard(config, net, backend, plan, path, time.perf_counter() - t0)
 
 
+INERT_SPECULATION = "speculation inert"  # the start warning's first words where the row limit is under 2
+
+
 def exact_row_limit(net) -> int | None:
     """The most rows a step may have and still run every projection's small-step quantized kernel
     (GGUF / AWQ / int8 weights), which computes each row alone, bit for bit whatever the rows
@@ -169,7 +172,13 @@ def build_engine(options: EngineOptions | None = None, tensor_parallel=None, wei
     engine.load_seconds = load_seconds
     engine.kernel_plan = shard.plan
     if engine.scheduler.drafter is not None:  # guesses keep a step within its rows' exact kernels
-        engine.scheduler.drafter.row_limit = exact_row_limit(shard.net)
+        limit = exact_row_limit(shard.net)
+        engine.scheduler.drafter.row_limit = limit
+        if limit is not None and limit < 2:
+            log.warning("%s: speculative decoding will make no guesses with this model here: its small-step "
+                        "kernels compute rows alone only %d at a time, and a guess is verified only in a step "
+                        "whose every row is (docs/speculative.md)", INERT_SPECULATION,
+                        limit)
     engine.model_path = shard.path
     # Everything alive now lives as long as the engine: keep it out of the cyclic GC's scans
     # (hundreds of thousands of objects after importing torch and transformers), as vLLM does.
