@@ -37,6 +37,11 @@ namespace bf16_tiles {
 
 constexpr int64_t kTile = 16;  // output channels per tile
 constexpr int kMaxRows = 8;    // rows sharing one unpacked tile
+// How far ahead of the block being multiplied its codes are prefetched, in bytes: the walk runs
+// through one thread's tiles in address order, but the hardware prefetcher alone leaves a cold
+// 2-thread pass waiting on memory (a standalone q4_rows<8> over SmolLM2's 30 layers: 6.0-7.2 ms
+// without, 4.9-5.1 with 2 KiB ahead); past the codes' end a prefetch is a no-op, never a fault.
+constexpr int64_t kPrefetchBytes = 2048;
 
 inline bool available() {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
@@ -79,6 +84,7 @@ void q4_rows(const uint16_t* x, const float* xsum, const uint8_t* codes, const S
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* c = codes + (t * G + g) * 256;
+    for (int line = 0; line < 256; line += 64) _mm_prefetch(reinterpret_cast<const char*>(c + kPrefetchBytes + line), _MM_HINT_T0);
     __m512 even[R], odd[R];  // the block's two partial sums: inputs 4s, 4s + 1 and 4s + 2, 4s + 3
     for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm512_setzero_ps();
     for (int s = 0; s < 8; ++s) {
@@ -111,6 +117,7 @@ void q8_0_rows(const uint16_t* x, const int8_t* codes, const float* scales, O* o
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
     const int8_t* c = codes + (t * G + g) * 512;
+    for (int line = 0; line < 512; line += 64) _mm_prefetch(reinterpret_cast<const char*>(c + kPrefetchBytes + line), _MM_HINT_T0);
     __m512 even[R], odd[R];  // the block's two partial sums: steps 0, 2, .. and 1, 3, ..
     for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm512_setzero_ps();
     for (int p = 0; p < 16; p += 2) {
