@@ -140,9 +140,10 @@ def test_small_step_kernels_compute_each_row_alone_bit_for_bit(ops, kind):
     """A row's result is the same whatever rows share its call (speculative decoding verifies a
     guess in a step of several rows and must compute what the guess's own decode step would):
     our C++ 4-bit kernel (its one-row body once rounded differently), the Q8_0 kernel, and torch's
-    int4 kernel up to the rows it runs (KernelPlan.int4_rows); ours up to 32 (a float32 model's plan)."""
+    int4 kernel up to the rows it runs (KernelPlan.int4_rows); ours up to 32 (a float32 model's plan),
+    the BF16 tile kernels up to 48 (a bf16 model's plan on AVX-512 BF16: six passes of 8 rows)."""
     blocks, _ = gguf_weight(kind, 80, 288, seed=6)  # 9 blocks per row: 8 at once, and a tail
-    x = torch.randn(32, 288, generator=torch.Generator().manual_seed(6))
+    x = torch.randn(48, 288, generator=torch.Generator().manual_seed(6))
     q8_blocks, _ = gguf_weight("Q8_0", 80, 288, seed=6)
     kernels = [quantized_matmul(blocks, torch.float32, ops, "cpp"), Int8BlockMatmul(q8_blocks, ops),
                Int4Matmul(blocks, torch.bfloat16), Int8ChannelMatmul.quantize(blocks.dequantize(), ops)]
@@ -151,8 +152,10 @@ def test_small_step_kernels_compute_each_row_alone_bit_for_bit(ops, kind):
                     quantized_matmul(q8_blocks, torch.bfloat16, ops, q8_0_kernel="tiles")]
         assert isinstance(kernels[-2], Int4TileMatmul) and isinstance(kernels[-1], Int8TileMatmul)
     for kernel in kernels:
-        xs = x.bfloat16() if isinstance(kernel, (Int4Matmul, Int4TileMatmul, Int8TileMatmul)) else x
-        rows = 8 if isinstance(kernel, Int4Matmul) else 32  # the most any plan runs (a float32 model's)
+        tiles = isinstance(kernel, (Int4TileMatmul, Int8TileMatmul))
+        xs = x.bfloat16() if tiles or isinstance(kernel, Int4Matmul) else x
+        # the most any plan runs it for: torch's int4 8, the tiles 48 (bf16), ours else 32 (float32)
+        rows = 8 if isinstance(kernel, Int4Matmul) else 48 if tiles else 32
         alone = torch.cat([kernel(xs[i:i + 1]) for i in range(rows)])
         for m in range(2, rows + 1):
             assert torch.equal(kernel(xs[:m]), alone[:m]), (type(kernel).__name__, m)
@@ -179,6 +182,7 @@ def test_tile_matmuls_equal_dense_at_every_row_count(ops, kind):
         rounded = raw(x[:rows], *tensors, bf16_out=True)  # rounded in the kernel, as torch rounds
         assert rounded.dtype == torch.bfloat16 and torch.equal(rounded, out.bfloat16())
         assert torch.equal(kernel(x[:rows]), rounded)
+    assert raw(x[:0], *tensors).shape == (0, 80)  # no rows: an empty product, no row group run
     with pytest.raises(RuntimeError, match="bfloat16"):
         raw(x.float(), *tensors)
 

@@ -151,6 +151,23 @@ using Q8Rows = void (*)(const uint16_t*, const int8_t*, const float*, O*, int64_
 template <typename O>
 constexpr Q8Rows<O> kQ8Rows[] = {q8_0_rows<1, O>, q8_0_rows<2, O>, q8_0_rows<3, O>, q8_0_rows<4, O>,
                                  q8_0_rows<5, O>, q8_0_rows<6, O>, q8_0_rows<7, O>, q8_0_rows<8, O>};
+// Each row's float32 sum over each 32-input block of bfloat16 x [M, K]: per block, eight partial sums
+// part[j] = (x[j] + x[j + 8]) + (x[j + 16] + x[j + 24]), then ((p0 + p1) + (p2 + p3)) + ((p4 + p5) +
+// (p6 + p7)): a fixed order (as the 4-bit minimums' term needs: a row's result never depends on its
+// neighbours), 8 lanes at a time.
+inline void block_sums(const uint16_t* x, int64_t blocks, float* sums) {
+  auto widen8 = [](const uint16_t* p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+  };
+  for (int64_t i = 0; i < blocks; ++i) {
+    const uint16_t* b = x + i * 32;
+    const __m256 part = _mm256_add_ps(_mm256_add_ps(widen8(b), widen8(b + 8)), _mm256_add_ps(widen8(b + 16), widen8(b + 24)));
+    const __m256 pairs = _mm256_add_ps(part, _mm256_permute_ps(part, 0xB1));      // lane 2k: p2k + p2k+1
+    const __m256 quads = _mm256_add_ps(pairs, _mm256_permute_ps(pairs, 0x4E));    // lane 4k: pairs 2k, 2k+1 summed
+    const __m128 halves = _mm_add_ss(_mm256_castps256_ps128(quads), _mm256_extractf128_ps(quads, 1));
+    sums[i] = _mm_cvtss_f32(halves);
+  }
+}
 #endif
 
 inline void check_x(const torch::Tensor& x) {
@@ -179,13 +196,8 @@ inline torch::Tensor q4_linear(torch::Tensor x, torch::Tensor codes, torch::Tens
   auto out = torch::empty({M, N}, x.options().dtype(bf16_out ? at::kBFloat16 : at::kFloat));
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
   const uint16_t* xs = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-  std::vector<float> xsum(M * G);  // each row's x summed over each block, in float32 (a fixed order)
-  for (int64_t i = 0; i < M * G; ++i) {
-    auto f = [&](int64_t k) { return static_cast<float>(c10::BFloat16(xs[i * 32 + k], c10::BFloat16::from_bits())); };
-    float part[8];
-    for (int j = 0; j < 8; ++j) part[j] = (f(j) + f(j + 8)) + (f(j + 16) + f(j + 24));
-    xsum[i] = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
-  }
+  std::vector<float> xsum(M * G);  // each row's x summed over each block, in float32 (block_sums)
+  block_sums(xs, M * G, xsum.data());
   const uint8_t* cs = codes.data_ptr<uint8_t>();
   auto walk = [&](const auto* sms, auto* os) {
     using S = std::remove_const_t<std::remove_pointer_t<decltype(sms)>>;
