@@ -100,7 +100,7 @@ def test_each_family_packs_only_what_onednn_packs_there(family):
 # family -> (GEMM dtype of a bf16 model, packed, int4 rows, Q8_0 rows, bf16-packed 1-row head)
 BF16_PLANS = {
     "amx": (torch.bfloat16, True, 1, 0, 0),
-    "avx512_bf16": (torch.bfloat16, True, 48, 48, 0),
+    "avx512_bf16": (torch.bfloat16, True, 64, 48, 0),
     "avx512": (torch.float32, True, 16, 0, 1),
     "avx2": (torch.float32, True, 16, 16, 0),
     "neon": (torch.float32, False, 8, 16, 0),
@@ -135,7 +135,7 @@ def test_each_family_gets_its_measured_kernel_plan(family):
                                                                       ("torch", "torch", "torch"))
     assert plan.int4_kernel == {"avx2": "cpp", "avx512_bf16": "tiles"}.get(family, "torch")
     assert ("int4 (C++) <= 16 rows" in plan.describe()) == (family == "avx2")
-    assert ("int4 (C++ BF16 tiles) <= 48 rows" in plan.describe()) == (family == "avx512_bf16")
+    assert ("int4 (C++ BF16 tiles) <= 64 rows" in plan.describe()) == (family == "avx512_bf16")
     assert plan.q8_0_kernel == ("tiles" if family == "avx512_bf16" else "cpp") and fp32.q8_0_kernel == "cpp"
     assert ("Q8_0 (C++ BF16 tiles) <= 48 rows" in plan.describe()) == (family == "avx512_bf16")
     # steps of 2,048 tokens where AMX tiles run the bf16 GEMMs (measured there); 1,024 elsewhere

@@ -141,9 +141,9 @@ def test_small_step_kernels_compute_each_row_alone_bit_for_bit(ops, kind):
     guess in a step of several rows and must compute what the guess's own decode step would):
     our C++ 4-bit kernel (its one-row body once rounded differently), the Q8_0 kernel, and torch's
     int4 kernel up to the rows it runs (KernelPlan.int4_rows); ours up to 32 (a float32 model's plan),
-    the BF16 tile kernels up to 48 (a bf16 model's plan on AVX-512 BF16: six passes of 8 rows)."""
+    the BF16 tile kernels up to 64 (a bf16 model's plan on AVX-512 BF16: eight passes of 8 rows)."""
     blocks, _ = gguf_weight(kind, 80, 288, seed=6)  # 9 blocks per row: 8 at once, and a tail
-    x = torch.randn(48, 288, generator=torch.Generator().manual_seed(6))
+    x = torch.randn(64, 288, generator=torch.Generator().manual_seed(6))
     q8_blocks, _ = gguf_weight("Q8_0", 80, 288, seed=6)
     kernels = [quantized_matmul(blocks, torch.float32, ops, "cpp"), Int8BlockMatmul(q8_blocks, ops),
                Int4Matmul(blocks, torch.bfloat16), Int8ChannelMatmul.quantize(blocks.dequantize(), ops)]
@@ -154,8 +154,8 @@ def test_small_step_kernels_compute_each_row_alone_bit_for_bit(ops, kind):
     for kernel in kernels:
         tiles = isinstance(kernel, (Int4TileMatmul, Int8TileMatmul))
         xs = x.bfloat16() if tiles or isinstance(kernel, Int4Matmul) else x
-        # the most any plan runs it for: torch's int4 8, the tiles 48 (bf16), ours else 32 (float32)
-        rows = 8 if isinstance(kernel, Int4Matmul) else 48 if tiles else 32
+        # the most any plan runs it for: torch's int4 8, the tiles 64 (bf16), ours else 32 (float32)
+        rows = 8 if isinstance(kernel, Int4Matmul) else 64 if tiles else 32
         alone = torch.cat([kernel(xs[i:i + 1]) for i in range(rows)])
         for m in range(2, rows + 1):
             assert torch.equal(kernel(xs[:m]), alone[:m]), (type(kernel).__name__, m)

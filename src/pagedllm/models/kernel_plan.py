@@ -23,7 +23,7 @@ trying and catching:
 
 The crossovers and budgets per family (the figures that chose them, with machines and commands:
 docs/design.md, "Figures behind the code's choices"): AVX-512 with BF16: a bf16 model's 4-bit and
-Q8_0 blocks on our tile kernels (``csrc/bf16_tiles.h``, VDPBF16PS) up to 48 rows. Every AVX-512
+Q8_0 blocks on our tile kernels (``csrc/bf16_tiles.h``, VDPBF16PS) up to 64 and 48 rows. Every AVX-512
 family and AVX2 (measured on AVX-512 BF16, and with the AVX2 builds there): a float32 model's on
 our C++ 4-bit and Q8_0 kernels up to 32 rows; a float16 model's 4-bit blocks on our C++ kernel too
 (torch's int4 kernel is fast with bf16 activations only), and ``quantization="int8"``'s float32 and
@@ -121,10 +121,10 @@ def plan_kernels(cpu: CpuFeatures, dtype: torch.dtype) -> KernelPlan:
         # AMX tiles make the packed bf16 GEMM win from 2 rows, and the bf16 head at every size
         int4_rows, q8_0_rows, native_head = 1, 0, 0
     elif not widened and cpu.family == "avx512_bf16" and dtype == torch.bfloat16:
-        # our BF16 tile kernels (4.5 bits a weight streamed where the dense GEMM reads 16): decode steps
-        # of 32 and 48 rows ran 11% and 14% faster with them than with the dense GEMMs, 64 rows even
-        # (docs/design.md); speculation then verifies up to 48 rows exactly
-        int4_rows, q8_0_rows, native_head = 48, 48, 0
+        # our BF16 tile kernels (4.5 bits a weight streamed where the dense GEMM reads 16, the Q8_0 head
+        # 8.5): decode steps of 32-64 rows ran 3-14% faster with them than with the dense GEMMs, but at
+        # 64 rows only without the Q8_0 head (docs/design.md); speculation verifies up to 48 rows exactly
+        int4_rows, q8_0_rows, native_head = 64, 48, 0
     elif dtype == torch.float32:
         # AVX-512 and AVX2 families: float32 activations on our C++ 4-bit and Q8_0 kernels, whose steps
         # of 12-32 rows ran 1.2-2.3x faster than the dense float32 GEMMs' (docs/design.md)
