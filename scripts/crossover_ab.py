@@ -17,20 +17,12 @@ import statistics
 import sys
 import time
 
+from decode_step_time import warm_up  # this folder's script: steps until every request has a token
+
 import pagedllm.engine.builder as engine_module
 from pagedllm import LLM, SamplingParams
 
 STEPS_PER_CHUNK = 10
-
-
-def warm_up(engine, batch: int) -> None:
-    """Steps until every request has its first token (the prefill takes batch x 128 / step budget
-    steps: 8 at batch 64), then 4 decode steps."""
-    for _ in range(batch * 128):  # bounded: a step prefills one token at least
-        if len(engine.step()) >= batch:
-            break
-    for _ in range(4):
-        engine.step()
 
 
 def engine_with(rows: str, batch: int, chunks: int):
