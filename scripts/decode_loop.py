@@ -1,6 +1,7 @@
 """Batch-N greedy decode steps for SECONDS seconds on the embedded model, for a sampling profiler
 (`perf record -p PID`, or `scripts/glue_share.sh`, which runs this). Prints "ready PID" when the
-prefill is done and decoding starts, then steps until time is up.
+prefill is done (every request has its first token: at batch 64 that takes 8 steps of 1,024
+tokens) and decoding starts, then steps until time is up.
 
     .venv/bin/python scripts/decode_loop.py [BATCH] [SECONDS] [auto|python]
 """
@@ -24,7 +25,9 @@ def main() -> None:
         for i in range(batch):
             engine.add_request(f"{time.perf_counter_ns()}-{i}", list(range(100 + i, 228 + i)),
                                SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
-        engine.step()  # the prefill
+        for _ in range(batch * 128):  # the prefill: until every request has its first token
+            if len(engine.step()) >= batch:
+                break
 
     fill()
     print(f"ready {os.getpid()}", flush=True)
