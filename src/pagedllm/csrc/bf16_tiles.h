@@ -39,8 +39,9 @@ constexpr int64_t kTile = 16;  // output channels per tile
 constexpr int kMaxRows = 8;    // rows sharing one unpacked tile
 // How far ahead of the block being multiplied its codes are prefetched, in bytes: the walk runs
 // through one thread's tiles in address order, but the hardware prefetcher alone leaves a cold
-// 2-thread pass waiting on memory (a standalone q4_rows<8> over SmolLM2's 30 layers: 6.0-7.2 ms
-// without, 4.9-5.1 with 2 KiB ahead); past the codes' end a prefetch is a no-op, never a fault.
+// 2-thread pass waiting on memory (batch-8 decode steps 8-20% faster with 2 KiB ahead on an AMD
+// EPYC Zen 4, scripts/decode_step_time.py 8: docs/design.md); past the codes' end a prefetch is a
+// no-op, never a fault.
 constexpr uintptr_t kPrefetchBytes = 2048;
 
 inline bool available() {
