@@ -182,6 +182,40 @@ struct TiledScratch {
         pp(rows_pad * kKeyChunk, 0) {}
 };
 
+// The cache line at p fetched into L2 (prefetcht1). An asm statement, not __builtin_prefetch:
+// GCC 12 dropped whole loops of the builtin once they moved into a helper (objdump showed no
+// prefetcht1 left in the decode path, which then ran 0.85 against 0.55 ms per layer).
+inline void prefetch_l2(const char* p) {
+#if defined(__x86_64__)
+  asm volatile("prefetcht1 %0" : : "m"(*p));
+#else
+  __builtin_prefetch(p, 0, 2);
+#endif
+}
+
+// The rows of kv head kh of the block at `next` (n rows of kRowBytes, row_stride bytes apart), fetched
+// into L2 (prefetcht1). Nothing where next is null.
+template <int64_t kRowBytes>
+inline void prefetch_rows(const char* next, int64_t rows, int64_t stride) {
+  if (next == nullptr) return;
+  for (int64_t j = 0; j < rows; ++j) {
+    for (int64_t o = 0; o < kRowBytes; o += 64) prefetch_l2(next + j * stride + o);
+  }
+}
+
+// The K and V scales of a block's B slots from first_slot (bf16, KH per slot), fetched into L2.
+inline void prefetch_scales(const c10::BFloat16* ks, const c10::BFloat16* vs, int64_t first_slot, int64_t B,
+                            int64_t KH) {
+  const int64_t bytes = B * KH * static_cast<int64_t>(sizeof(c10::BFloat16));
+  const char* k = reinterpret_cast<const char*>(ks + first_slot * KH);
+  const char* v = reinterpret_cast<const char*>(vs + first_slot * KH);
+  for (int64_t o = 0; o < bytes + 63; o += 64) {
+    const int64_t at = std::min<int64_t>(o, bytes - 1);  // the last line too, never past the block
+    prefetch_l2(k + at);
+    prefetch_l2(v + at);
+  }
+}
+
 // One row's online-softmax step over a block's scores sr[0..n) of which the first `visible` count:
 // they become p = exp(s - m_new) (0 for the rest); returns alpha = exp(m_old - m_new).
 inline float softmax_step(float* sr, int64_t n, int64_t visible, float& m, float& l) {
@@ -322,7 +356,7 @@ inline void pv_tiles_avx2(float* acc, const float* alpha, int64_t keys, Value va
 template <typename T, int kD, int R>
 void decode_block_avx2(const T* kb, const T* vb, int64_t row_stride, int64_t n, const int64_t* visible,
                        const float* qf, const T*, float, float* sc, int64_t KP, float*, float* acc, float* m,
-                       float* l) {
+                       float* l, const char* v_next, int64_t B) {
   constexpr int NV = kD / 8;
   int64_t j = 0;
   for (; j + 4 <= n; j += 4) {
@@ -349,6 +383,7 @@ void decode_block_avx2(const T* kb, const T* vb, int64_t row_stride, int64_t n, 
     }
     for (int r = 0; r < R; ++r) sc[r * KP + j] = hsum8(s[r]);
   }
+  prefetch_rows<kD * sizeof(T)>(v_next, B, row_stride * sizeof(T));
   float alpha[R];
   const int64_t keys = softmax_rows<R>(sc, KP, n, visible, m, l, alpha);
   pv_tiles_avx2<kD, R>(acc, alpha, keys, [&](int64_t j, int c) { return load8(vb + j * row_stride + 8 * c); },
@@ -412,7 +447,7 @@ inline void pv_tiles_avx512(float* acc, const float* alpha, int64_t keys, Value 
 template <typename T, int kD, int R>
 void decode_block_avx512(const T* kb, const T* vb, int64_t row_stride, int64_t n, const int64_t* visible,
                          const float* qf, const T* qraw, float scale, float* sc, int64_t KP, float* kf, float* acc,
-                         float* m, float* l) {
+                         float* m, float* l, const char* v_next, int64_t B) {
   constexpr int NV = kD / 16;
   constexpr bool bf16_dot = kBf16Dot && std::is_same_v<T, c10::BFloat16>;
   if constexpr (bf16_dot) {
@@ -470,6 +505,7 @@ void decode_block_avx512(const T* kb, const T* vb, int64_t row_stride, int64_t n
       }
     }
   }
+  prefetch_rows<kD * sizeof(T)>(v_next, B, row_stride * sizeof(T));
   float alpha[R];
   const int64_t keys_seen = softmax_rows<R>(sc, KP, n, visible, m, l, alpha);
   pv_tiles_avx512<kD, R>(acc, alpha, keys_seen,
@@ -533,27 +569,24 @@ void decode_tile(const T* q, const T* kc, const T* vc, T* out, const int64_t* ta
   const int64_t last_key = first_pos + nq;  // keys 0..last_key-1 are visible to some row
   const int64_t nblocks = (last_key + B - 1) / B;
   constexpr void (*kDecodeBlock[])(const T*, const T*, int64_t, int64_t, const int64_t*, const float*, const T*,
-                                   float, float*, int64_t, float*, float*, float*, float*) = {
+                                   float, float*, int64_t, float*, float*, float*, float*, const char*, int64_t) = {
       kDecodeBlockOf<T, kD, 1>, kDecodeBlockOf<T, kD, 2>, kDecodeBlockOf<T, kD, 3>};
   constexpr int64_t kRowBytes = kD * static_cast<int64_t>(sizeof(T));
   const int64_t stride = row_stride * static_cast<int64_t>(sizeof(T));
   for (int64_t b = 0; b < nblocks; ++b) {
     const int64_t n = std::min<int64_t>(B, last_key - b * B);
+    // the next block's keys now, its values after this block's scores (in the block step): half
+    // the misses in flight at a time, each a block step ahead of its use
+    const char* vn = nullptr;
     if (b + 1 < nblocks) {
-      const char* kn = reinterpret_cast<const char*>(kc + table[b + 1] * block_stride + kh * kD);
-      const char* vn = reinterpret_cast<const char*>(vc + table[b + 1] * block_stride + kh * kD);
-      for (int64_t j = 0; j < B; ++j) {
-        for (int64_t o = 0; o < kRowBytes; o += 64) {
-          __builtin_prefetch(kn + j * stride + o, 0, 2);
-          __builtin_prefetch(vn + j * stride + o, 0, 2);
-        }
-      }
+      prefetch_rows<kRowBytes>(reinterpret_cast<const char*>(kc + table[b + 1] * block_stride + kh * kD), B, stride);
+      vn = reinterpret_cast<const char*>(vc + table[b + 1] * block_stride + kh * kD);
     }
     int64_t visible[kFewRows];
     for (int64_t r = 0; r < rows; ++r) visible[r] = std::min<int64_t>(n, first_pos + r / G - b * B + 1);
     kDecodeBlock[rows - 1](kc + table[b] * block_stride + kh * kD, vc + table[b] * block_stride + kh * kD, row_stride,
                            n, visible, s.qf.data(), reinterpret_cast<const T*>(s.qraw.data()), scale, s.scores.data(),
-                           s.KP, s.kf.data(), s.acc.data(), s.m.data(), s.l.data());
+                           s.KP, s.kf.data(), s.acc.data(), s.m.data(), s.l.data(), vn, B);
   }
   for (int64_t r = 0; r < rows; ++r) {
     float* ar = &s.acc[r * kD];
@@ -871,6 +904,14 @@ void attention_kernel(const T* q, const T* kc, const T* vc, T* out, const int64_
 #if defined(__AVX512F__) || defined(__AVX2__)
       if constexpr (kFew) {
         if (few[item / KH]) {
+          // the first block of the item taken after the other threads' current ones: into this
+          // core's L2 and the shared L3 (whichever thread takes it), since no block ahead fetches it
+          if (k + workers < num_items && few[order[k + workers] / KH]) {
+            const int64_t ahead = order[k + workers];
+            const int64_t offset = tables[tiles[ahead / KH].seq * max_blocks] * block_stride + (ahead % KH) * kD;
+            prefetch_rows<kD * sizeof(T)>(reinterpret_cast<const char*>(kc + offset), B, row_stride * sizeof(T));
+            prefetch_rows<kD * sizeof(T)>(reinterpret_cast<const char*>(vc + offset), B, row_stride * sizeof(T));
+          }
           decode_tile<T, kD>(q, kc, vc, out, tables + tile.seq * max_blocks, tile.q_begin, rows, first_pos, H, KH, G,
                              B, scale, kh, few_scratch);
           continue;
@@ -1081,7 +1122,7 @@ inline __m512 load16_codes<KVFormat::kInt4>(const uint8_t* p) {
 template <KVFormat F, int kD, int R>
 void decode_block_quant(const uint8_t* kb, const uint8_t* vb, int64_t stride, const float* ks, const float* vs,
                         int64_t n, const int64_t* visible, const float* qf, float* sc, int64_t KP, float* kf,
-                        float* acc, float* m, float* l) {
+                        float* acc, float* m, float* l, const char* v_next, int64_t B) {
   constexpr int NV = kD / 16;
   constexpr int64_t kStep = kPacked<F> ? 8 : 16;  // code bytes per 16 values
   for (int64_t j = 0; j < n; ++j) {
@@ -1106,6 +1147,7 @@ void decode_block_quant(const uint8_t* kb, const uint8_t* vb, int64_t stride, co
       *reinterpret_cast<v16*>(sc + r * KP + jc) = reduce16(part) * *reinterpret_cast<const v16*>(ks + jc);
     }
   }
+  prefetch_rows<code_bytes<F>(kD)>(v_next, B, stride);
   float alpha[R];
   const int64_t keys_seen = softmax_rows<R>(sc, KP, n, visible, m, l, alpha);
   pv_tiles_avx512<kD, R>(acc, alpha, keys_seen,
@@ -1153,7 +1195,7 @@ inline __m256 load8_codes<KVFormat::kInt4>(const uint8_t* p) {  // 4 bytes, two 
 template <KVFormat F, int kD, int R>
 void decode_block_quant(const uint8_t* kb, const uint8_t* vb, int64_t stride, const float* ks, const float* vs,
                         int64_t n, const int64_t* visible, const float* qf, float* sc, int64_t KP, float*,
-                        float* acc, float* m, float* l) {
+                        float* acc, float* m, float* l, const char* v_next, int64_t B) {
   constexpr int NV = kD / 8;
   constexpr int64_t kStep = kPacked<F> ? 4 : 8;  // code bytes per 8 values
   int64_t j = 0;
@@ -1184,6 +1226,7 @@ void decode_block_quant(const uint8_t* kb, const uint8_t* vb, int64_t stride, co
     }
     for (int r = 0; r < R; ++r) sc[r * KP + j] = hsum8(s[r]) * ks[j];
   }
+  prefetch_rows<code_bytes<F>(kD)>(v_next, B, stride);
   float alpha[R];
   const int64_t keys = softmax_rows<R>(sc, KP, n, visible, m, l, alpha);
   pv_tiles_avx2<kD, R>(acc, alpha, keys, [&](int64_t j, int c) { return load8_codes<F>(vb + j * stride + c * kStep); },
@@ -1274,7 +1317,8 @@ void decode_tile_quant(const uint8_t* kc, const uint8_t* vc, const c10::BFloat16
                        int64_t B, int64_t kh, QuantScratch& s) {
   constexpr int64_t CD = code_bytes<F>(kD);
   constexpr void (*kBlock[])(const uint8_t*, const uint8_t*, int64_t, const float*, const float*, int64_t,
-                             const int64_t*, const float*, float*, int64_t, float*, float*, float*, float*) = {
+                             const int64_t*, const float*, float*, int64_t, float*, float*, float*, float*,
+                             const char*, int64_t) = {
 #ifdef __AVX512F__
       decode_block_quant<F, kD, 1>, decode_block_quant<F, kD, 2>, decode_block_quant<F, kD, 3>,
       decode_block_quant<F, kD, 4>};
@@ -1286,15 +1330,13 @@ void decode_tile_quant(const uint8_t* kc, const uint8_t* vc, const c10::BFloat16
   const int64_t nblocks = (last_key + B - 1) / B;
   for (int64_t b = 0; b < nblocks; ++b) {
     const int64_t n = std::min<int64_t>(B, last_key - b * B);
+    // as decode_tile: the next block's key codes and both scales now, its value codes after this
+    // block's scores (in the block step)
+    const char* vn = nullptr;
     if (b + 1 < nblocks) {
-      const uint8_t* kn = kc + table[b + 1] * block_stride + kh * CD;
-      const uint8_t* vn = vc + table[b + 1] * block_stride + kh * CD;
-      for (int64_t j = 0; j < B; ++j) {
-        for (int64_t o = 0; o < CD; o += 64) {
-          __builtin_prefetch(kn + j * stride + o, 0, 2);
-          __builtin_prefetch(vn + j * stride + o, 0, 2);
-        }
-      }
+      prefetch_rows<CD>(reinterpret_cast<const char*>(kc + table[b + 1] * block_stride + kh * CD), B, stride);
+      prefetch_scales(ks, vs, table[b + 1] * B, B, KH);
+      vn = reinterpret_cast<const char*>(vc + table[b + 1] * block_stride + kh * CD);
     }
     const int64_t first_slot = table[b] * B;
     for (int64_t j = 0; j < n; ++j) {
@@ -1306,7 +1348,7 @@ void decode_tile_quant(const uint8_t* kc, const uint8_t* vc, const c10::BFloat16
     for (int64_t r = 0; r < count; ++r) visible[r] = std::min<int64_t>(n, first_pos + (r0 + r) / G - b * B + 1);
     kBlock[count - 1](kc + table[b] * block_stride + kh * CD, vc + table[b] * block_stride + kh * CD, stride,
                       s.ksf.data(), s.vsf.data(), n, visible, &s.qf[r0 * kD], &s.scores[r0 * s.KP], s.KP,
-                      s.kf.data(), &s.acc[r0 * kD], &s.m[r0], &s.l[r0]);
+                      s.kf.data(), &s.acc[r0 * kD], &s.m[r0], &s.l[r0], vn, B);
   }
 }
 #endif
@@ -1386,6 +1428,18 @@ void attention_quant(const T* q, const uint8_t* kc, const uint8_t* vc, const c10
       const int64_t* table = tables + seq * max_blocks;
 #if defined(__AVX512F__) || defined(__AVX2__)
       if (rows <= kQuantFewRows && (D == 64 || D == 128)) {
+        if (it + 1 < end) {  // this thread's next item's first block, which no block ahead fetches
+          const Tile& ahead = tiles[(it + 1) / KH];
+          const int64_t slot = tables[ahead.seq * max_blocks] * B, offset = (slot * KH + (it + 1) % KH) * CD;
+          if (D == 64) {
+            prefetch_rows<code_bytes<F>(64)>(reinterpret_cast<const char*>(kc + offset), B, KH * CD);
+            prefetch_rows<code_bytes<F>(64)>(reinterpret_cast<const char*>(vc + offset), B, KH * CD);
+          } else {
+            prefetch_rows<code_bytes<F>(128)>(reinterpret_cast<const char*>(kc + offset), B, KH * CD);
+            prefetch_rows<code_bytes<F>(128)>(reinterpret_cast<const char*>(vc + offset), B, KH * CD);
+          }
+          prefetch_scales(ks, vs, slot, B, KH);
+        }
         for (int64_t r0 = 0; r0 < rows; r0 += kQuantRowGroup) {
           const int64_t count = std::min<int64_t>(kQuantRowGroup, rows - r0);
           if (D == 64) {
