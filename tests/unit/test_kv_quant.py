@@ -253,6 +253,29 @@ def test_the_cpu_kernel_stores_the_references_bytes_and_attends_as_it(name, dtyp
     torch.testing.assert_close(out.float(), expected.float(), **tol)
 
 
+def test_int8_decodes_of_a_bf16_query_with_nan_or_inf_are_nan_where_the_references_are():
+    """Where the CPU has AVX512-VNNI, the scores of int8 keys take a bf16 query rounded to int16
+    (int8_scores_int16); a query row holding NaN or inf must keep float32 scores, so that its
+    output is NaN as the reference's (an int16 NaN is a finite garbage value), the others unharmed."""
+    from pagedllm.attention.cpu_kernel import CpuBackend, load_cpu_kernel
+
+    ops = load_cpu_kernel()
+    if ops is None:
+        pytest.skip("the C++ kernel cannot be built here")
+    # head size 64: the few-row path (int16 scores need 64 or 128)
+    kv, twin, query, new_k, new_v, meta = quantized_case("int8", torch.bfloat16, [(40, 1), (70, 1), (17, 1)],
+                                                         head_dim=64)
+    query[0, 0, 3] = float("nan")
+    query[1, 2, 5] = float("inf")
+    scale = 64 ** -0.5
+    expected = ReferenceBackend(scale).store_and_attend(query, new_k, new_v, kv, meta)
+    out = CpuBackend(scale, ops).store_and_attend(query, new_k, new_v, twin, meta)
+    assert expected[0, 0].isnan().all() and expected[1, 2].isnan().all()
+    assert torch.equal(out.isnan(), expected.isnan())
+    finite = ~expected.isnan()
+    torch.testing.assert_close(out[finite].float(), expected[finite].float(), atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.parametrize("name", QUANTIZED_FORMATS)
 def test_the_cpu_kernels_fused_rope_store_attend_reads_a_quantized_layer(name):
     """rope_store_attend (the C++ layer loop's call) on a quantized layer: RoPE'd K encoded into

@@ -107,20 +107,22 @@ inline float hmax(v16 x) {
 
 // x[k] -> lane k holds the sum of x[k]'s 16 lanes: 16 horizontal sums in 15 shuffle-add pairs
 // (a transposing butterfly) instead of 16 separate ones. Lane k's sum is taken in a fixed order.
-inline v16 reduce16(const v16* x) {
-  v16 y[8], z[4], w[2];
+// V: 16 float32 lanes (v16) or 16 int32 lanes (v16i).
+template <typename V>
+inline V reduce16(const V* x) {
+  V y[8], z[4], w[2];
   for (int i = 0; i < 8; ++i) {
-    const v16 a = x[2 * i], b = x[2 * i + 1];
+    const V a = x[2 * i], b = x[2 * i + 1];
     y[i] = __builtin_shufflevector(a, b, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
            __builtin_shufflevector(a, b, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
   }
   for (int i = 0; i < 4; ++i) {
-    const v16 c = y[2 * i], d = y[2 * i + 1];
+    const V c = y[2 * i], d = y[2 * i + 1];
     z[i] = __builtin_shufflevector(c, d, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
            __builtin_shufflevector(c, d, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
   }
   for (int i = 0; i < 2; ++i) {
-    const v16 e = z[2 * i], f = z[2 * i + 1];
+    const V e = z[2 * i], f = z[2 * i + 1];
     w[i] = __builtin_shufflevector(e, f, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
            __builtin_shufflevector(e, f, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
   }

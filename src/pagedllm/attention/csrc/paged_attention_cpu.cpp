@@ -1114,45 +1114,113 @@ inline __m512 load16_codes<KVFormat::kInt4>(const uint8_t* p) {
   return _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(low, high)), _mm512_load_ps(kInt4Levels));
 }
 
-// The few-row (decode) block step over quantized K/V, for R = 1-3 rows of one kv head: as
-// decode_block_avx512 with the rows' scales folded in. The block's K codes are widened to float32
-// once (kf), each row's 16 dot products summed (reduce16) and multiplied by the 16 keys' scales;
-// P V reads the V codes widened in registers, each value row once for all R rows, with p times
-// the row's V scale. ks, vs: the block's scales as float32, KP entries (0 past n).
-template <KVFormat F, int kD, int R>
-void decode_block_quant(const uint8_t* kb, const uint8_t* vb, int64_t stride, const float* ks, const float* vs,
-                        int64_t n, const int64_t* visible, const float* qf, float* sc, int64_t KP, float* kf,
-                        float* acc, float* m, float* l, const char* v_next, int64_t B) {
-  constexpr int NV = kD / 16;
-  constexpr int64_t kStep = kPacked<F> ? 8 : 16;  // code bytes per 16 values
+// Scores of int8 keys on AVX512-VNNI: the query rows quantized to int16 once per tile
+// (quantize_query_int16), the block's key codes widened to int16 once (k16), each (row, key)
+// dot product taken by VPDPWSSD in int32, exact (|q| <= 32767, |code| <= 128: sums below 2^28),
+// then one float32 conversion per 16 keys times the row's and the keys' scales. Against float32
+// FMAs over the codes widened to float32: half the multiply instructions and no float copy of the
+// block; the query's rounding to 16 bits (2^-16 of its largest value) is far below its bf16
+// rounding (2^-9 of each value).
+#ifdef __AVX512VNNI__
+template <KVFormat F>
+constexpr bool kInt16Dot = F == KVFormat::kInt8;
+
+template <int kD, int R>
+inline void int8_scores_int16(const uint8_t* kb, int64_t stride, int64_t n, const int16_t* q16,
+                              const float* q16_scale, const float* ks, float* sc, int64_t KP, int16_t* k16) {
+  constexpr int NW = kD / 32;  // head dim in 32-int16 vectors
   for (int64_t j = 0; j < n; ++j) {
-    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(kf + j * kD + 16 * v, load16_codes<F>(kb + j * stride + v * kStep));
+    for (int w = 0; w < NW; ++w) {
+      const __m256i codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kb + j * stride + 32 * w));
+      _mm512_storeu_si512(k16 + j * kD + 32 * w, _mm512_cvtepi8_epi16(codes));
+    }
   }
   for (int r = 0; r < R; ++r) {
-    v16 qv[NV];
-    for (int v = 0; v < NV; ++v) qv[v] = *reinterpret_cast<const v16*>(qf + r * kD + 16 * v);
+    __m512i qv[NW];
+    for (int w = 0; w < NW; ++w) qv[w] = _mm512_loadu_si512(q16 + r * kD + 32 * w);
     for (int64_t jc = 0; jc < n; jc += 16) {
-      v16 part[16];
+      v16i part[16];
       const int64_t count = std::min<int64_t>(16, n - jc);
       for (int jj = 0; jj < 16; ++jj) {
         if (jj < count) {
-          const v16* kr = reinterpret_cast<const v16*>(kf + (jc + jj) * kD);
-          v16 dot = qv[0] * kr[0];
-          for (int v = 1; v < NV; ++v) dot += qv[v] * kr[v];
-          part[jj] = dot;
+          const int16_t* kr = k16 + (jc + jj) * kD;
+          __m512i dot = _mm512_dpwssd_epi32(_mm512_setzero_si512(), qv[0], _mm512_loadu_si512(kr));
+          for (int w = 1; w < NW; ++w) dot = _mm512_dpwssd_epi32(dot, qv[w], _mm512_loadu_si512(kr + 32 * w));
+          part[jj] = (v16i)dot;
         } else {
-          part[jj] = v16{};
+          part[jj] = v16i{};
         }
       }
-      *reinterpret_cast<v16*>(sc + r * KP + jc) = reduce16(part) * *reinterpret_cast<const v16*>(ks + jc);
+      const v16 sums = __builtin_convertvector(reduce16(part), v16);
+      *reinterpret_cast<v16*>(sc + r * KP + jc) = sums * q16_scale[r] * *reinterpret_cast<const v16*>(ks + jc);
+    }
+  }
+}
+#else
+template <KVFormat F>
+constexpr bool kInt16Dot = false;
+#endif
+
+// The few-row (decode) block step over quantized K/V, for R = 1-3 rows of one kv head: as
+// decode_block_avx512 with the rows' scales folded in. Scores: int8 keys by int16 dot products
+// where kInt16Dot and the tile's query rows are in q16 (int8_scores_int16); otherwise the block's
+// K codes are widened to float32 once (kf), each row's 16 dot products summed (reduce16) and
+// multiplied by the 16 keys' scales. P V reads the V codes widened in registers, each value row
+// once for all R rows, with p times the row's V scale (taken once per row: the same products).
+// ks, vs: the block's scales as float32, KP entries (0 past n for ks).
+template <KVFormat F, int kD, int R>
+void decode_block_quant(const uint8_t* kb, const uint8_t* vb, int64_t stride, const float* ks, const float* vs,
+                        int64_t n, const int64_t* visible, const float* qf, const int16_t* q16,
+                        const float* q16_scale, float* sc, int64_t KP, float* kf, float* acc, float* m, float* l,
+                        const char* v_next, int64_t B) {
+  constexpr int NV = kD / 16;
+  constexpr int64_t kStep = kPacked<F> ? 8 : 16;  // code bytes per 16 values
+  bool scored = false;
+#ifdef __AVX512VNNI__
+  if constexpr (kInt16Dot<F>) {
+    if (q16 != nullptr) {
+      int8_scores_int16<kD, R>(kb, stride, n, q16, q16_scale, ks, sc, KP, reinterpret_cast<int16_t*>(kf));
+      scored = true;
+    }
+  }
+#endif
+  if (!scored) {
+    for (int64_t j = 0; j < n; ++j) {
+      for (int v = 0; v < NV; ++v) {
+        _mm512_storeu_ps(kf + j * kD + 16 * v, load16_codes<F>(kb + j * stride + v * kStep));
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      v16 qv[NV];
+      for (int v = 0; v < NV; ++v) qv[v] = *reinterpret_cast<const v16*>(qf + r * kD + 16 * v);
+      for (int64_t jc = 0; jc < n; jc += 16) {
+        v16 part[16];
+        const int64_t count = std::min<int64_t>(16, n - jc);
+        for (int jj = 0; jj < 16; ++jj) {
+          if (jj < count) {
+            const v16* kr = reinterpret_cast<const v16*>(kf + (jc + jj) * kD);
+            v16 dot = qv[0] * kr[0];
+            for (int v = 1; v < NV; ++v) dot += qv[v] * kr[v];
+            part[jj] = dot;
+          } else {
+            part[jj] = v16{};
+          }
+        }
+        *reinterpret_cast<v16*>(sc + r * KP + jc) = reduce16(part) * *reinterpret_cast<const v16*>(ks + jc);
+      }
     }
   }
   prefetch_rows<code_bytes<F>(kD)>(v_next, B, stride);
   float alpha[R];
   const int64_t keys_seen = softmax_rows<R>(sc, KP, n, visible, m, l, alpha);
+  for (int r = 0; r < R; ++r) {
+    for (int64_t jc = 0; jc < keys_seen; jc += 16) {
+      *reinterpret_cast<v16*>(sc + r * KP + jc) *= *reinterpret_cast<const v16*>(vs + jc);
+    }
+  }
   pv_tiles_avx512<kD, R>(acc, alpha, keys_seen,
                          [&](int64_t j, int c) { return load16_codes<F>(vb + j * stride + c * kStep); },
-                         [&](int r, int64_t j) { return sc[r * KP + j] * vs[j]; });
+                         [&](int r, int64_t j) { return sc[r * KP + j]; });
 }
 #endif
 
@@ -1194,8 +1262,8 @@ inline __m256 load8_codes<KVFormat::kInt4>(const uint8_t* p) {  // 4 bytes, two 
 // scales, P V with p times the V scale. kf is unused.
 template <KVFormat F, int kD, int R>
 void decode_block_quant(const uint8_t* kb, const uint8_t* vb, int64_t stride, const float* ks, const float* vs,
-                        int64_t n, const int64_t* visible, const float* qf, float* sc, int64_t KP, float*,
-                        float* acc, float* m, float* l, const char* v_next, int64_t B) {
+                        int64_t n, const int64_t* visible, const float* qf, const int16_t*, const float*, float* sc,
+                        int64_t KP, float*, float* acc, float* m, float* l, const char* v_next, int64_t B) {
   constexpr int NV = kD / 8;
   constexpr int64_t kStep = kPacked<F> ? 4 : 8;  // code bytes per 8 values
   int64_t j = 0;
@@ -1247,12 +1315,30 @@ constexpr int kQuantTiledAbove = kScoreRows - 1;  // tiles of kScoreRows rows or
 // copied whole: one block of one head at a time, in L1), then every row of the tile takes the
 // online-softmax step over it: scores by 16-key dot-product vectors (reduce16), P V by FMAs. int4
 // rows are stored rotated (fwht): the query is rotated alike and the output rotated back.
+// A query row (D floats) as int16 codes and one scale, row ~= q16 * scale: rounded to nearest,
+// |q16| <= 32767. False where the row is not finite (the float32 scores take it then).
+inline bool quantize_query_int16(const float* row, int64_t D, int16_t* q16, float& scale) {
+  float amax = 0.f;
+  for (int64_t d = 0; d < D; ++d) {
+    if (!std::isfinite(row[d])) return false;  // NaN and inf keep their float32 scores (NaN outputs)
+    amax = std::max(amax, std::fabs(row[d]));
+  }
+  scale = amax / 32767.f;
+  const float inv = amax > 0.f ? 32767.f / amax : 0.f;
+  for (int64_t d = 0; d < D; ++d) {
+    q16[d] = static_cast<int16_t>(std::clamp(std::nearbyint(row[d] * inv), -32767.f, 32767.f));
+  }
+  return true;
+}
+
 struct QuantScratch {
-  std::vector<float> qf, acc, m, l, scores, kf, vf, ksf, vsf;
+  std::vector<float> qf, acc, m, l, scores, kf, vf, ksf, vsf, q16_scale;
+  std::vector<int16_t> q16;  // int8 K on AVX512-VNNI: the rows of qf as int16 (quantize_query)
   int64_t KP;
   QuantScratch(int64_t rows, int64_t D, int64_t B)
       : qf(rows * D), acc(rows * D), m(rows), l(rows), scores(rows * round_up(B, 16)), kf(round_up(B, 16) * D, 0.f),
-        vf(B * D), ksf(round_up(B, 16), 0.f), vsf(round_up(B, 16), 0.f), KP(round_up(B, 16)) {}
+        vf(B * D), ksf(round_up(B, 16), 0.f), vsf(round_up(B, 16), 0.f), q16_scale(rows), q16(rows * D),
+        KP(round_up(B, 16)) {}
 };
 
 // K/V of the `wanted` sequences decoded (KVCodec's values: codes times their row's scale; int4 still
@@ -1310,15 +1396,16 @@ constexpr int kQuantRowGroup = 3;  // (R x 4 accumulators + R + 1 of AVX2's 16 r
 
 // Rows r0..r0+count-1 (count <= kQuantRowGroup) of a few-row tile of kv head kh over quantized K/V,
 // the tile's rows r at absolute position first_pos + r / G: set up by the caller (qf scaled and, for
-// int4, rotated; m, l, acc reset); leaves their unnormalised acc, m and l.
+// int4, rotated; m, l, acc reset); leaves their unnormalised acc, m and l. int16_query: the scores
+// of int8 keys may round the query to 16 bits (int8_scores_int16), for a bf16 or fp16 query only.
 template <KVFormat F, int kD>
 void decode_tile_quant(const uint8_t* kc, const uint8_t* vc, const c10::BFloat16* ks, const c10::BFloat16* vs,
                        const int64_t* table, int64_t r0, int64_t count, int64_t first_pos, int64_t KH, int64_t G,
-                       int64_t B, int64_t kh, QuantScratch& s) {
+                       int64_t B, int64_t kh, bool int16_query, QuantScratch& s) {
   constexpr int64_t CD = code_bytes<F>(kD);
   constexpr void (*kBlock[])(const uint8_t*, const uint8_t*, int64_t, const float*, const float*, int64_t,
-                             const int64_t*, const float*, float*, int64_t, float*, float*, float*, float*,
-                             const char*, int64_t) = {
+                             const int64_t*, const float*, const int16_t*, const float*, float*, int64_t, float*,
+                             float*, float*, float*, const char*, int64_t) = {
 #ifdef __AVX512F__
       decode_block_quant<F, kD, 1>, decode_block_quant<F, kD, 2>, decode_block_quant<F, kD, 3>,
       decode_block_quant<F, kD, 4>};
@@ -1328,6 +1415,16 @@ void decode_tile_quant(const uint8_t* kc, const uint8_t* vc, const c10::BFloat16
   const int64_t stride = KH * CD, block_stride = B * stride;
   const int64_t last_key = first_pos + (r0 + count - 1) / G + 1;  // keys 0..last_key-1: visible to some row
   const int64_t nblocks = (last_key + B - 1) / B;
+  const int16_t* q16 = nullptr;  // int16 query rows where the int8 scores take them (kInt16Dot)
+#if defined(__AVX512F__)
+  if (kInt16Dot<F> && int16_query) {
+    bool finite = true;
+    for (int64_t r = r0; r < r0 + count; ++r) {
+      finite = finite && quantize_query_int16(&s.qf[r * kD], kD, &s.q16[r * kD], s.q16_scale[r]);
+    }
+    if (finite) q16 = &s.q16[r0 * kD];
+  }
+#endif
   for (int64_t b = 0; b < nblocks; ++b) {
     const int64_t n = std::min<int64_t>(B, last_key - b * B);
     // as decode_tile: the next block's key codes and both scales now, its value codes after this
@@ -1347,8 +1444,8 @@ void decode_tile_quant(const uint8_t* kc, const uint8_t* vc, const c10::BFloat16
     int64_t visible[kQuantRowGroup];
     for (int64_t r = 0; r < count; ++r) visible[r] = std::min<int64_t>(n, first_pos + (r0 + r) / G - b * B + 1);
     kBlock[count - 1](kc + table[b] * block_stride + kh * CD, vc + table[b] * block_stride + kh * CD, stride,
-                      s.ksf.data(), s.vsf.data(), n, visible, &s.qf[r0 * kD], &s.scores[r0 * s.KP], s.KP,
-                      s.kf.data(), &s.acc[r0 * kD], &s.m[r0], &s.l[r0], vn, B);
+                      s.ksf.data(), s.vsf.data(), n, visible, &s.qf[r0 * kD], q16, &s.q16_scale[r0],
+                      &s.scores[r0 * s.KP], s.KP, s.kf.data(), &s.acc[r0 * kD], &s.m[r0], &s.l[r0], vn, B);
   }
 }
 #endif
@@ -1359,6 +1456,9 @@ void attention_quant(const T* q, const uint8_t* kc, const uint8_t* vc, const c10
                      const int64_t* tables, int64_t num_seqs, int64_t max_blocks, int64_t H, int64_t KH, int64_t D,
                      int64_t B, float scale, const char* skip) {
   const int64_t G = H / KH, CD = code_bytes<F>(D), NV = D / 16;
+  // a 16-bit query loses nothing the output keeps when rounded to int16 (int8_scores_int16); a
+  // float32 one does (the float32 tests' tolerance, 2e-5, is below that rounding)
+  constexpr bool kInt16Query = sizeof(T) == 2;
   std::vector<Tile> tiles;
   for (int64_t s = 0; s < num_seqs; ++s) {
     if (skip != nullptr && skip[s]) continue;  // attended elsewhere (dense_prefill_quant)
@@ -1443,9 +1543,9 @@ void attention_quant(const T* q, const uint8_t* kc, const uint8_t* vc, const c10
         for (int64_t r0 = 0; r0 < rows; r0 += kQuantRowGroup) {
           const int64_t count = std::min<int64_t>(kQuantRowGroup, rows - r0);
           if (D == 64) {
-            decode_tile_quant<F, 64>(kc, vc, ks, vs, table, r0, count, first_pos, KH, G, B, kh, s);
+            decode_tile_quant<F, 64>(kc, vc, ks, vs, table, r0, count, first_pos, KH, G, B, kh, kInt16Query, s);
           } else {
-            decode_tile_quant<F, 128>(kc, vc, ks, vs, table, r0, count, first_pos, KH, G, B, kh, s);
+            decode_tile_quant<F, 128>(kc, vc, ks, vs, table, r0, count, first_pos, KH, G, B, kh, kInt16Query, s);
           }
         }
       } else
