@@ -435,6 +435,35 @@ inline void pv_tiles_avx512(float* acc, const float* alpha, int64_t keys, Value 
   }
 }
 
+// Scores of R rows (qf: kD floats each) over n float32 keys key_stride apart, 16 keys at a time: one
+// partial-product vector per key, summed across lanes together (reduce16), times the keys'
+// scales where ks is given (KP entries). Row r's scores go to sc + r * KP.
+template <int kD, int R>
+inline void float_scores(const float* keys, int64_t key_stride, int64_t n, const float* qf, const float* ks,
+                         float* sc, int64_t KP) {
+  constexpr int NV = kD / 16;
+  for (int r = 0; r < R; ++r) {
+    v16 qv[NV];
+    for (int v = 0; v < NV; ++v) qv[v] = *reinterpret_cast<const v16*>(qf + r * kD + 16 * v);
+    for (int64_t jc = 0; jc < n; jc += 16) {
+      v16 part[16];
+      const int64_t count = std::min<int64_t>(16, n - jc);
+      for (int jj = 0; jj < 16; ++jj) {
+        if (jj < count) {
+          const v16* kr = reinterpret_cast<const v16*>(keys + (jc + jj) * key_stride);
+          v16 dot = qv[0] * kr[0];
+          for (int v = 1; v < NV; ++v) dot += qv[v] * kr[v];
+          part[jj] = dot;
+        } else {
+          part[jj] = v16{};
+        }
+      }
+      const v16 sums = reduce16(part);
+      *reinterpret_cast<v16*>(sc + r * KP + jc) = ks ? sums * *reinterpret_cast<const v16*>(ks + jc) : sums;
+    }
+  }
+}
+
 // The few-row (decode) path's block step on AVX-512, for R = 1-3 rows of one kv head. Q K^T: per
 // row, 16 keys at a time, one partial-product vector per key summed across lanes together
 // (reduce16): on the stored bf16 bits by VDPBF16PS where kBf16Dot (qraw, the unscaled query; the
@@ -485,25 +514,7 @@ void decode_block_avx512(const T* kb, const T* vb, int64_t row_stride, int64_t n
       }
       keys = kf;
     }
-    for (int r = 0; r < R; ++r) {
-      v16 qv[NV];
-      for (int v = 0; v < NV; ++v) qv[v] = *reinterpret_cast<const v16*>(qf + r * kD + 16 * v);
-      for (int64_t jc = 0; jc < n; jc += 16) {
-        v16 part[16];
-        const int64_t count = std::min<int64_t>(16, n - jc);
-        for (int jj = 0; jj < 16; ++jj) {
-          if (jj < count) {
-            const v16* kr = reinterpret_cast<const v16*>(keys + (jc + jj) * key_stride);
-            v16 dot = qv[0] * kr[0];
-            for (int v = 1; v < NV; ++v) dot += qv[v] * kr[v];
-            part[jj] = dot;
-          } else {
-            part[jj] = v16{};
-          }
-        }
-        *reinterpret_cast<v16*>(sc + r * KP + jc) = reduce16(part);
-      }
-    }
+    float_scores<kD, R>(keys, key_stride, n, qf, nullptr, sc, KP);
   }
   prefetch_rows<kD * sizeof(T)>(v_next, B, row_stride * sizeof(T));
   float alpha[R];
@@ -543,7 +554,10 @@ struct FewRowScratch {
 };
 
 // One few-row tile (1-3 rows of kv head kh: a decode token) block by block, the next block's rows
-// of this kv head fetched into L2 meanwhile (prefetcht1). One item per (tile, kv head): on this
+// of this kv head fetched into L2 meanwhile (prefetcht1): its keys at a block's start, its values
+// once the block's scores are taken (the block step), so that half the misses are in flight at a
+// time (64 at once stalled on the miss buffers: docs/design.md, session 35); the caller fetches
+// an item's first block one item ahead. One item per (tile, kv head): on this
 // EPYC (AVX-512 BF16) and in its AVX2 build, one item over all of a tile's kv heads, each block
 // read whole (what session 15 measured best on AVX2 against the generic body), was slower than
 // this at every batch, e.g. 1.93-2.03 against 1.38-1.60 ms per layer at 64 x 512 tokens and 0.13
@@ -1161,7 +1175,7 @@ template <KVFormat F>
 constexpr bool kInt16Dot = false;
 #endif
 
-// The few-row (decode) block step over quantized K/V, for R = 1-3 rows of one kv head: as
+// The few-row (decode) block step over quantized K/V, for R = 1-4 rows of one kv head: as
 // decode_block_avx512 with the rows' scales folded in. Scores: int8 keys by int16 dot products
 // where kInt16Dot and the tile's query rows are in q16 (int8_scores_int16); otherwise the block's
 // K codes are widened to float32 once (kf), each row's 16 dot products summed (reduce16) and
@@ -1190,25 +1204,7 @@ void decode_block_quant(const uint8_t* kb, const uint8_t* vb, int64_t stride, co
         _mm512_storeu_ps(kf + j * kD + 16 * v, load16_codes<F>(kb + j * stride + v * kStep));
       }
     }
-    for (int r = 0; r < R; ++r) {
-      v16 qv[NV];
-      for (int v = 0; v < NV; ++v) qv[v] = *reinterpret_cast<const v16*>(qf + r * kD + 16 * v);
-      for (int64_t jc = 0; jc < n; jc += 16) {
-        v16 part[16];
-        const int64_t count = std::min<int64_t>(16, n - jc);
-        for (int jj = 0; jj < 16; ++jj) {
-          if (jj < count) {
-            const v16* kr = reinterpret_cast<const v16*>(kf + (jc + jj) * kD);
-            v16 dot = qv[0] * kr[0];
-            for (int v = 1; v < NV; ++v) dot += qv[v] * kr[v];
-            part[jj] = dot;
-          } else {
-            part[jj] = v16{};
-          }
-        }
-        *reinterpret_cast<v16*>(sc + r * KP + jc) = reduce16(part) * *reinterpret_cast<const v16*>(ks + jc);
-      }
-    }
+    float_scores<kD, R>(kf, kD, n, qf, ks, sc, KP);
   }
   prefetch_rows<code_bytes<F>(kD)>(v_next, B, stride);
   float alpha[R];
@@ -1309,12 +1305,14 @@ constexpr int kQuantTiledAbove = kScoreRows - 1;  // tiles of kScoreRows rows or
 // -- quantized KV (csrc/kv_codec.h): int8, fp8_e4m3, fp8_e5m2, int4 ---------------------------------
 // One work item = (query tile of one sequence, kv head), as above. A tile of at most 8 rows (a
 // decode token's G <= 8 heads) takes decode_block_quant block by block on AVX-512 (head sizes 64
-// and 128; rows in groups of up to 4, each group reading the blocks once), the next block's codes
-// fetched into L2 meanwhile. Any other tile: block by block, the
+// and 128; rows in groups of up to 4, each group reading the blocks once), the next block's key
+// codes and scales fetched into L2 at a block's start and its value codes after the scores, as
+// decode_tile does. Any other tile: block by block, the
 // item's kv head's K and V rows are decoded into a block-sized float32 scratch (the cache is never
 // copied whole: one block of one head at a time, in L1), then every row of the tile takes the
 // online-softmax step over it: scores by 16-key dot-product vectors (reduce16), P V by FMAs. int4
 // rows are stored rotated (fwht): the query is rotated alike and the output rotated back.
+
 // A query row (D floats) as int16 codes and one scale, row ~= q16 * scale: rounded to nearest,
 // |q16| <= 32767. False where the row is not finite (the float32 scores take it then).
 inline bool quantize_query_int16(const float* row, int64_t D, int16_t* q16, float& scale) {
@@ -1333,7 +1331,7 @@ inline bool quantize_query_int16(const float* row, int64_t D, int16_t* q16, floa
 
 struct QuantScratch {
   std::vector<float> qf, acc, m, l, scores, kf, vf, ksf, vsf, q16_scale;
-  std::vector<int16_t> q16;  // int8 K on AVX512-VNNI: the rows of qf as int16 (quantize_query)
+  std::vector<int16_t> q16;  // int8 K on AVX512-VNNI: the rows of qf as int16 (quantize_query_int16)
   int64_t KP;
   QuantScratch(int64_t rows, int64_t D, int64_t B)
       : qf(rows * D), acc(rows * D), m(rows), l(rows), scores(rows * round_up(B, 16)), kf(round_up(B, 16) * D, 0.f),
