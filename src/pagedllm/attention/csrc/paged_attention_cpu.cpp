@@ -184,7 +184,8 @@ struct TiledScratch {
 
 // The cache line at p fetched into L2 (prefetcht1). An asm statement, not __builtin_prefetch:
 // GCC 12 dropped whole loops of the builtin once they moved into a helper (objdump showed no
-// prefetcht1 left in the decode path, which then ran 0.85 against 0.55 ms per layer).
+// prefetcht1 left in the decode path, which then ran about as slowly as with no prefetch:
+// docs/design.md, session 35).
 inline void prefetch_l2(const char* p) {
 #if defined(__x86_64__)
   asm volatile("prefetcht1 %0" : : "m"(*p));
