@@ -52,10 +52,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         src, exe = Path(tmp) / "peak.cpp", Path(tmp) / "peak"
         src.write_text(SOURCE)
-        build = subprocess.run(["g++", "-O3", "-funroll-loops", "-march=native", "-fopenmp", str(src), "-o", str(exe)],
-                               capture_output=True, text=True)
+        try:
+            build = subprocess.run(["g++", "-O3", "-funroll-loops", "-march=native", "-fopenmp", str(src), "-o",
+                                    str(exe)], capture_output=True, text=True)
+        except FileNotFoundError:
+            sys.exit("no g++ here")
         if build.returncode != 0:
-            sys.exit(f"no AVX-512 BF16 build here: {build.stderr.strip().splitlines()[-1]}")
+            lines = build.stderr.strip().splitlines()
+            sys.exit(f"no AVX-512 BF16 build here: {lines[-1] if lines else 'g++ failed'}")
         for threads in (1, 2):
             print(subprocess.run([str(exe), str(threads)], capture_output=True, text=True, check=True).stdout, end="")
 
