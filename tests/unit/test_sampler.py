@@ -95,6 +95,33 @@ def test_sampler_logprobs_are_of_the_raw_distribution_even_with_penalties():
     assert tokens[1] == int(logits[1].argmax())
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_logits_in_the_model_dtype_are_widened_unless_every_row_takes_the_raw_argmax(dtype):
+    logits = random_logits(3, 4).to(dtype)
+    logits[1, 7] = logits[1, 30] = logits[1].max() + 1  # a tie: the first index
+    seen = []
+
+    def argmax(x):
+        seen.append(x.dtype)
+        return x.float().max(dim=-1).indices
+
+    greedy = [request(temperature=0) for _ in range(3)]
+    tokens, lps = Sampler(argmax).sample(logits, greedy, [None] * 3)
+    assert seen == [dtype] and not lps  # read as they are: no float32 copy
+    assert tokens == logits.float().argmax(dim=-1).tolist() and tokens[1] == 7
+    for odd_one in (request(temperature=0, logprobs=2), request(temperature=0, logit_bias={3: 100.0}),
+                    request(temperature=0.8, seed=1)):
+        seen.clear()
+        tokens, lps = Sampler(argmax).sample(logits, [*greedy[:2], odd_one], [None, None, None])
+        assert seen and set(seen) == {torch.float32}
+        assert tokens[:2] == logits[:2].float().argmax(dim=-1).tolist()
+        if odd_one.sampling_params.wants_logprobs:
+            raw = torch.log_softmax(logits[2].float(), dim=-1)
+            assert lps[2].logprob == pytest.approx(float(raw[tokens[2]]), abs=1e-6)
+        if odd_one.sampling_params.logit_bias:
+            assert tokens[2] == 3
+
+
 def test_row_argmax_is_argmax_ties_and_infinities_included():
     x = random_logits(64, 3)
     x[1, 7] = x[1, 30] = x[1].max() + 1  # a tie: the first index, as argmax

@@ -174,7 +174,7 @@ class ModelRunner:
         # a guessing request's generator draws once per row, as it would over as many steps; what the
         # rejected rows drew is given back (the state restored, then advanced by the rows kept)
         states = {req.request_id: g.get_state() for req, _, first in guessed if (g := gens[first]) is not None}
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)], widen=False)
         tokens, logprobs = self.sampler.sample(logits, reqs, gens, grammar)
         skip = set()
         for req, guesses, first in guessed:

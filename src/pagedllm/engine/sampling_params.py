@@ -295,6 +295,12 @@ class SamplingParams:
                     or self.min_tokens)
 
     @property
+    def takes_raw_argmax(self) -> bool:
+        """Greedy with nothing that reads or changes the logits first: its token is the arg-max of
+        the model's logits as computed, in whatever dtype (widening to float32 keeps the order)."""
+        return self.greedy and not self.has_logits_processors and not self.wants_logprobs
+
+    @property
     def wants_logprobs(self) -> bool:
         """Log-probabilities at each generated position: the top ``logprobs`` or ``logprob_token_ids``."""
         return self.logprobs is not None or self.logprob_token_ids is not None

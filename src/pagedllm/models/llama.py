@@ -173,9 +173,11 @@ class LlamaForCausalLM(nn.Module):
         return self._stack if self._finalized_for is backend else None
 
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits [rows, vocab] computed in the model dtype (as HF does), returned as float32."""
-        return self.lm_head.forward(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, widen: bool = True) -> torch.Tensor:
+        """Logits [rows, vocab] computed in the model dtype (as HF does), returned as float32, or in
+        the model dtype where ``widen`` is False (the sampler widens them where it needs to)."""
+        logits = self.lm_head.forward(hidden)
+        return logits.float() if widen else logits
 
     def prepack_weights(self, plan: KernelPlan) -> int:
         """Dense layouts per ``plan`` (``kernel_plan``): oneDNN-packed where it packs, widened to
