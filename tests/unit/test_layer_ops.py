@@ -67,6 +67,34 @@ def test_silu_mul_equals_torch(ops, dtype, rows):
     assert torch.equal(ours[0, [0, 1, 2, 1538]], theirs[0, [0, 1, 2, 1538]])  # -100 gives -0 as in F.silu
 
 
+@pytest.mark.parametrize("rows", [1, 64])
+def test_bf16_results_keep_denormals_and_nans_lane_by_lane(ops, rows):
+    """The bf16 stores take one vcvtneps2bf16 on AVX512-BF16, which reads a denormal as zero and keeps
+    a NaN's sign: a vector holding either rounds as torch does (c10's nearest even), its other lanes
+    alike, and vectors without one are unchanged."""
+    gen = torch.Generator().manual_seed(rows)
+    tiny = 2.0 ** -130  # a float32/bf16 denormal
+    x, res = (torch.randn(rows, 576, generator=gen).bfloat16() for _ in range(2))
+    w = torch.randn(576, generator=gen).bfloat16()
+    x[:, 3], res[:, 3] = tiny, tiny          # a denormal sum in the first vector
+    x[:, 40], res[:, 40] = -tiny, 3 * tiny   # and in the third
+    x[:, 70], x[:, 100] = float("nan"), -float("nan")
+    mine = res.clone()
+    ops.add_rms_norm(x, mine, w, 1e-5)
+    expected = x + res
+    assert mine[:, 3].float().eq(2 * tiny).all() and mine[:, 40].float().eq(2 * tiny).all()
+    nan = expected.isnan()
+    assert torch.equal(mine.isnan(), nan) and torch.equal(mine[~nan], expected[~nan])
+    gate_up = torch.randn(rows, 2 * 1536, generator=gen).bfloat16()
+    gate_up[:, 5], gate_up[:, 1536 + 5] = 4 * tiny, 1.0   # silu(g) = g / 2, a denormal, times 1
+    gate_up[:, 50], gate_up[:, 1536 + 60] = -float("nan"), float("nan")
+    ours, theirs = ops.silu_mul(gate_up), TORCH.silu_mul(gate_up)
+    assert ours[:, 5].float().eq(2 * tiny).all()
+    nan = theirs.isnan()
+    assert torch.equal(ours.isnan(), nan)
+    close(ours[~nan].view(1, -1), theirs[~nan].view(1, -1), torch.bfloat16)
+
+
 def close_to_product(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
     """``out`` is x @ weight^T rounded to out's dtype, up to float32 summation order: that error is
     bounded by the terms' magnitudes (|x| @ |weight|^T), not the result's, so a near-cancelling sum

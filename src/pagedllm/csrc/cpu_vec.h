@@ -140,6 +140,16 @@ inline __m512i bf16_bits(__m512 x) {
   const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
   return _mm512_mask_blend_epi32(nan, _mm512_srli_epi32(rounded, 16), _mm512_set1_epi32(0x7fc0));
 }
+
+// 16 float32 lanes -> 16 bfloat16 values, the same bits as bf16_bits. With AVX512-BF16, by one
+// vcvtneps2bf16 unless a lane is NaN or denormal (fpclass: QNaN 0x01, denormal 0x20, SNaN 0x80),
+// the lanes it rounds otherwise (it keeps a NaN's sign and payload and reads a denormal as zero).
+inline __m256i bf16_pack(__m512 x) {
+#if defined(__AVX512BF16__) && defined(__AVX512DQ__)
+  if (_mm512_fpclass_ps_mask(x, 0xA1) == 0) return (__m256i)_mm512_cvtneps_pbh(x);
+#endif
+  return _mm512_cvtepi32_epi16(bf16_bits(x));
+}
 #endif
 
 #if defined(__AVX2__) && !defined(__AVX512F__)

@@ -40,22 +40,6 @@ inline float exp_clamped(float x) {
   return x > kExpOverflow ? std::numeric_limits<float>::infinity() : exp_poly(x);
 }
 
-// out = weight * (x * rsqrt(mean(x^2) + eps)).to(T), with x in float32: HF's LlamaRMSNorm. Out is T,
-// or float32 holding the same T-rounded values (for a float32 GEMM next, without a conversion).
-template <typename T, typename Out = T>
-__attribute__((optimize("fp-contract=off"))) void norm_row(const T* x, const T* w, Out* out, int64_t H, float eps) {
-  float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-  for (int64_t i = 0; i < H; ++i) {
-    const float v = f32(x[i]);
-    ss += v * v;
-  }
-  const float inv = 1.0f / std::sqrt(ss / static_cast<float>(H) + eps);
-  for (int64_t i = 0; i < H; ++i) {
-    out[i] = static_cast<Out>(static_cast<T>(f32(w[i]) * f32(static_cast<T>(f32(x[i]) * inv))));
-  }
-}
-
 // v rounded to T's precision, as a float: an input that a float32 GEMM left unrounded is rounded
 // here, where torch would have rounded the GEMM's output (identity where In is T).
 template <typename T, typename In>
@@ -123,9 +107,9 @@ inline __m512 exp16(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
   p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
-  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mask_blend_ps(overflow, _mm512_mul_ps(p, _mm512_castsi512_ps(e)),
-                              _mm512_set1_ps(std::numeric_limits<float>::infinity()));
+  // p * 2^n in one vscalefps: with n in [-125, 127] (the clamp) and p in [0.7, 1.5] the product is
+  // a normal float, exact, the same as the multiply by 2^n built from its exponent bits it replaces
+  return _mm512_mask_blend_ps(overflow, _mm512_scalef_ps(p, n), _mm512_set1_ps(std::numeric_limits<float>::infinity()));
 }
 
 // 16 values of T <-> float32 lanes; round16 keeps a float rounded to T's precision (nearest even).
@@ -139,14 +123,14 @@ inline __m512 load16(const c10::Half* p) {
 }
 inline __m512 round16(__m512 x, const float*) { return x; }
 inline __m512 round16(__m512 x, const c10::BFloat16*) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(x), 16));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_pack(x)), 16));
 }
 inline __m512 round16(__m512 x, const c10::Half*) {
   return _mm512_cvtph_ps(_mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 inline void store16(float* p, __m512 x) { _mm512_storeu_ps(p, x); }
 inline void store16(c10::BFloat16* p, __m512 x) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bf16_bits(x)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bf16_pack(x));
 }
 inline void store16(c10::Half* p, __m512 x) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
@@ -237,6 +221,55 @@ void silu_mul_row(const In* gate, const In* up, Out* out, int64_t I) {
   }
 }
 
+// out = weight * (x * rsqrt(mean(x^2) + eps)).to(T), with x in float32: HF's LlamaRMSNorm. Out is T,
+// or float32 holding the same T-rounded values (for a float32 GEMM next, without a conversion).
+// The products are rounded one by one as torch rounds them, 16 lanes at a time on AVX-512.
+template <typename T, typename Out = T>
+__attribute__((optimize("fp-contract=off"))) void norm_row(const T* x, const T* w, Out* out, int64_t H, float eps) {
+  float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t i = 0; i < H; ++i) {
+    const float v = f32(x[i]);
+    ss += v * v;
+  }
+  const float inv = 1.0f / std::sqrt(ss / static_cast<float>(H) + eps);
+  int64_t i = 0;
+#ifdef __AVX512F__
+  if constexpr (!std::is_same_v<T, double>) {
+    const T* tag = nullptr;  // round16's precision
+    const __m512 scale = _mm512_set1_ps(inv);
+    for (; i + 16 <= H; i += 16) {
+      const __m512 y = _mm512_mul_ps(load16(w + i), round16(_mm512_mul_ps(load16(x + i), scale), tag));
+      if constexpr (std::is_same_v<Out, T>) {
+        store16(out + i, y);
+      } else {
+        store16(out + i, round16(y, tag));
+      }
+    }
+  }
+#endif
+  for (; i < H; ++i) {
+    out[i] = static_cast<Out>(static_cast<T>(f32(w[i]) * f32(static_cast<T>(f32(x[i]) * inv))));
+  }
+}
+
+// r += a, rounded to T as torch's add rounds it; a is T, or float32 rounded to T first.
+template <typename T, typename In>
+void add_row(const In* a, T* r, int64_t H) {
+  int64_t i = 0;
+#ifdef __AVX512F__
+  if constexpr (!std::is_same_v<T, double>) {
+    const T* tag = nullptr;
+    for (; i + 16 <= H; i += 16) {
+      __m512 v = load16(a + i);
+      if constexpr (!std::is_same_v<In, T>) v = round16(v, tag);
+      store16(r + i, _mm512_add_ps(v, load16(r + i)));
+    }
+  }
+#endif
+  for (; i < H; ++i) r[i] = static_cast<T>(rounded<T>(a[i]) + f32(r[i]));
+}
+
 inline int64_t rows_per_task(int64_t width) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(width, 1)); }
 
 inline void check_rows(const torch::Tensor& x, const torch::Tensor& weight) {
@@ -314,7 +347,7 @@ inline torch::Tensor add_rms_norm_to_(torch::Tensor x, torch::Tensor residual, t
         for (int64_t t = begin; t < end; ++t) {
           scalar_t* r = res + t * H;
           const auto* a = src + t * H;
-          for (int64_t i = 0; i < H; ++i) r[i] = static_cast<scalar_t>(rounded<scalar_t>(a[i]) + f32(r[i]));
+          add_row<scalar_t>(a, r, H);
           norm_row(r, w, dst + t * H, H, static_cast<float>(eps));
         }
       });
