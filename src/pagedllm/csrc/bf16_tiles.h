@@ -75,7 +75,7 @@ inline void prefetch_ahead(const void* block, int bytes) {
 // .to(bfloat16) rounds them (a NaN as c10::BFloat16 writes it)
 inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
 inline void store16(uint16_t* p, __m512 v) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), pagedllm_cpu::bf16_pack(v));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(pagedllm_cpu::bf16_bits(v)));
 }
 
 // R rows of x (bfloat16 bits, row stride K) times 4-bit tile t; xsum [R, G] float32; S: uint16_t

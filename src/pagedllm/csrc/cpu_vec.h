@@ -144,6 +144,9 @@ inline __m512i bf16_bits(__m512 x) {
 // 16 float32 lanes -> 16 bfloat16 values, the same bits as bf16_bits. With AVX512-BF16, by one
 // vcvtneps2bf16 unless a lane is NaN or denormal (fpclass: QNaN 0x01, denormal 0x20, SNaN 0x80),
 // the lanes it rounds otherwise (it keeps a NaN's sign and payload and reads a denormal as zero).
+// The layer ops store through it; the tile kernels keep bf16_bits, whose integer ops run beside
+// their VDPBF16PS where the conversion would compete with them for the FP pipes (the Q8_0 head
+// 2-5% slower with it on AMD Zen 4: scripts/layer_ops_build_ab.py).
 inline __m256i bf16_pack(__m512 x) {
 #if defined(__AVX512BF16__) && defined(__AVX512DQ__)
   if (_mm512_fpclass_ps_mask(x, 0xA1) == 0) return (__m256i)_mm512_cvtneps_pbh(x);

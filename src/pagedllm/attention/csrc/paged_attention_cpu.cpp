@@ -1929,7 +1929,7 @@ __attribute__((optimize("fp-contract=off"))) void rope_row(const T* x, const T* 
             _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
       };
       auto put = [](T* p, __m512 v) {
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bf16_pack(v));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bf16_bits(v)));
       };
       for (; d + 16 <= half; d += 16) {
         const __m512 x1 = widen(xh + d), x2 = widen(xh + d + half);
