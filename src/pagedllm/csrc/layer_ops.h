@@ -136,6 +136,16 @@ inline void store16(c10::Half* p, __m512 x) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 
+// y stored as T (Out = T), or as float32 lanes holding its T-rounded values (Out = float).
+template <typename T, typename Out>
+inline void store_as(Out* p, __m512 y) {
+  if constexpr (std::is_same_v<Out, T>) {
+    store16(p, y);
+  } else {
+    store16(p, round16(y, static_cast<const T*>(nullptr)));
+  }
+}
+
 #endif
 
 #if defined(__AVX2__) && !defined(__AVX512F__)
@@ -181,12 +191,7 @@ void silu_mul_row(const In* gate, const In* up, Out* out, int64_t I) {
       }
       const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), x));
       const __m512 silu = _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
-      const __m512 product = _mm512_mul_ps(round16(silu, tag), u);
-      if constexpr (std::is_same_v<Out, T>) {
-        store16(out + i, product);
-      } else {
-        store16(out + i, round16(product, tag));
-      }
+      store_as<T>(out + i, _mm512_mul_ps(round16(silu, tag), u));
     }
   }
 #elif defined(__AVX2__)
@@ -239,12 +244,7 @@ __attribute__((optimize("fp-contract=off"))) void norm_row(const T* x, const T* 
     const T* tag = nullptr;  // round16's precision
     const __m512 scale = _mm512_set1_ps(inv);
     for (; i + 16 <= H; i += 16) {
-      const __m512 y = _mm512_mul_ps(load16(w + i), round16(_mm512_mul_ps(load16(x + i), scale), tag));
-      if constexpr (std::is_same_v<Out, T>) {
-        store16(out + i, y);
-      } else {
-        store16(out + i, round16(y, tag));
-      }
+      store_as<T>(out + i, _mm512_mul_ps(load16(w + i), round16(_mm512_mul_ps(load16(x + i), scale), tag)));
     }
   }
 #endif
