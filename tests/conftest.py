@@ -36,21 +36,8 @@ def smollm_fp32():
     return LLM(dtype="float32", kv_cache_memory="256MiB", seed=0)
 
 
-@pytest.fixture(scope="session")
-def hf_smollm_fp32():
-    from transformers import AutoModelForCausalLM
-
-    from pagedllm.models.loader import default_model_path
-
-    path = default_model_path()
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    return model.eval()
-
-
-@pytest.fixture(scope="session")
-def parity_prompts(smollm_fp32) -> list[list[int]]:
+def make_parity_prompts(tok) -> list[list[int]]:
     """Eight token-id prompts: 1 token up to more than five 16-token blocks."""
-    tok = smollm_fp32.get_tokenizer()
     ids = tok.encode(PROMPT_TEXT)
     assert len(ids) > 100
     chat = tok.apply_chat_template([{"role": "user", "content": "Name three prime numbers."}])
@@ -58,10 +45,55 @@ def parity_prompts(smollm_fp32) -> list[list[int]]:
 
 
 @pytest.fixture(scope="session")
-def hf_parity_expected(hf_smollm_fp32, smollm_fp32, parity_prompts) -> list[list[int]]:
-    """HF transformers' greedy continuation (32 tokens) of each parity prompt, generated alone."""
-    eos = sorted(smollm_fp32.engine.eos_token_ids)
-    return [hf_greedy(hf_smollm_fp32, p, 32, eos_token_id=eos) for p in parity_prompts]
+def parity_prompts(smollm_fp32) -> list[list[int]]:
+    return make_parity_prompts(smollm_fp32.get_tokenizer())
+
+
+def pytest_collection_finish(session):
+    """Start HF's side of the parity tests (``tests/hf_reference.py``) in a process of its own when
+    a collected test needs it: loading the GGUF into transformers is about 15 s of single-threaded
+    parsing, which then runs beside the tests before it instead of in line."""
+    if any("hf_parity_expected" in getattr(item, "fixturenames", ()) for item in session.items):
+        session.config.stash[HF_REFERENCE] = HfReferenceProcess()
+
+
+@pytest.fixture(scope="session")
+def hf_parity_expected(request, smollm_fp32, parity_prompts) -> list[list[int]]:
+    """HF transformers' greedy continuation (32 tokens, ending at the first of the engine's EOS
+    tokens) of each parity prompt, generated alone."""
+    proc = request.config.stash.get(HF_REFERENCE, None) or HfReferenceProcess()
+    prompts, continuations = proc.result()
+    assert prompts == parity_prompts  # both processes tokenized the same text alike
+    eos = smollm_fp32.engine.eos_token_ids
+    return [c[:next((i + 1 for i, t in enumerate(c) if t in eos), len(c))] for c in continuations]
+
+
+class HfReferenceProcess:
+    """``python -m tests.hf_reference OUT``, started now; ``result`` waits for its JSON."""
+
+    def __init__(self) -> None:
+        import subprocess
+        import sys
+        import tempfile
+        from pathlib import Path
+
+        self.folder = tempfile.TemporaryDirectory(prefix="pagedllm-hf-reference-")
+        self.out = Path(self.folder.name) / "reference.json"
+        self.log = open(Path(self.folder.name) / "log.txt", "w+")  # noqa: SIM115 - read back in result()
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.hf_reference", str(self.out)],
+                                     cwd=Path(__file__).parents[1], stdout=self.log, stderr=subprocess.STDOUT)
+
+    def result(self) -> tuple[list[list[int]], list[list[int]]]:
+        import json
+
+        code = self.proc.wait(600)
+        self.log.seek(0)
+        assert code == 0, f"tests/hf_reference.py exited with {code}:\n{self.log.read()[-5000:]}"
+        got = json.loads(self.out.read_text())
+        return got["prompts"], got["continuations"]
+
+
+HF_REFERENCE = pytest.StashKey[HfReferenceProcess]()
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
 """``pagedllm serve --tensor-parallel-size 2``: the official client gets one rank's tokens; a worker
 killed under the server turns it unhealthy (503) with the rank named in its log; Ctrl-C (SIGINT to
-the whole process group, as a terminal sends it) leaves no process behind."""
+the whole process group, as a terminal sends it) and kill -9 of the server leave no process behind."""
 
 from __future__ import annotations
 
@@ -22,6 +22,12 @@ from tests.server.conftest import ServerProcess
 def children(pid: int) -> list[int]:
     out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
     return [int(p) for p in out.split()]
+
+
+def tp_workers(pid: int) -> list[int]:
+    """The tensor-parallel workers under ``pid``: the children of its fork server (``parallel/ranks.py``)."""
+    servers = [c for c in children(pid) if b"forkserver" in Path(f"/proc/{c}/cmdline").read_bytes()]
+    return [w for server in servers for w in children(server)]
 
 
 def alive(pid: int) -> bool:
@@ -56,7 +62,7 @@ def test_a_served_tensor_parallel_engine_answers_then_a_dead_worker_makes_it_unh
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
         out = client.completions.create(model="tiny", prompt=[5, 6, 7, 8], max_tokens=12, temperature=0)
         assert out.choices[0].text == expected
-        workers = [p for p in children(server.proc.pid) if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()]
+        workers = tp_workers(server.proc.pid)
         assert len(workers) == 1
         os.kill(workers[0], signal.SIGKILL)
         assert wait_until(lambda: httpx.get(server.url + "/health", timeout=5).status_code == 503, 30)
@@ -69,7 +75,10 @@ def test_a_served_tensor_parallel_engine_answers_then_a_dead_worker_makes_it_unh
     assert code == 0, output
 
 
-def test_ctrl_c_leaves_no_process(tiny_folder):
+@pytest.mark.parametrize("ending", ["ctrl-c", "kill -9"])
+def test_ending_the_server_leaves_no_process(tiny_folder, ending):
+    """Ctrl-C: the server exits 0 and stops its workers. kill -9 of the server alone: nothing runs
+    its shutdown, and the workers (and the fork server they came from) still leave, by themselves."""
     from tests.server.conftest import free_port
 
     port = free_port()
@@ -85,10 +94,15 @@ def test_ctrl_c_leaves_no_process(tiny_folder):
                 return False
 
         assert wait_until(healthy, 180)
-        workers = children(proc.pid)
-        assert workers
-        os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole foreground group
-        assert proc.wait(30) == 0
+        workers = tp_workers(proc.pid)
+        assert len(workers) == 1
+        workers += children(proc.pid)  # the fork server, multiprocessing's resource tracker
+        if ending == "ctrl-c":
+            os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole foreground group
+            assert proc.wait(30) == 0
+        else:
+            proc.kill()
+            assert proc.wait(30) == -signal.SIGKILL
         assert wait_until(lambda: not any(alive(w) for w in workers), 15)
         left = subprocess.run(["ps", "-o", "pid,stat,args", "-g", str(proc.pid)], capture_output=True, text=True).stdout
         running = [line for line in left.strip().splitlines()[1:] if line.split()[1][0] != "Z"]

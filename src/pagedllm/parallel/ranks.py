@@ -68,9 +68,11 @@ class TensorParallelGroup(RankHandle):
     def start(cls, options, world_size: int, host: str = "127.0.0.1") -> TensorParallelGroup:
         """Spawn ranks 1..N-1 (each loads its own shard; ``parallel/worker.py``) and meet them as rank 0."""
         port = free_port(host)
-        ctx = multiprocessing.get_context("spawn")
+        ctx = worker_context()
         errors = ctx.Queue()
-        processes = [ctx.Process(target=worker_main, args=(options, rank, world_size, host, port, os.getpid(), errors),
+        environ = dict(os.environ)
+        processes = [ctx.Process(target=worker_main,
+                                 args=(options, rank, world_size, host, port, os.getpid(), errors, environ),
                                  name=f"pagedllm-tp-rank{rank}", daemon=True) for rank in range(1, world_size)]
         for p in processes:
             p.start()
@@ -132,6 +134,19 @@ class TensorParallelGroup(RankHandle):
                 self.collectives.broadcast_object(StepMessage(stop=True))
         self._stopped = True
         _end(self.processes)
+
+
+def worker_context():
+    """Where the workers come from: a fork server (``multiprocessing``'s ``forkserver``) that
+    imported the worker's modules once, so each group after this process's first starts its workers
+    by a fork, not a fresh interpreter importing torch (about 2 s each on a 2-core CPU). The server
+    is a clean process started by exec, never a fork of this one: no thread, lock or device state of
+    the engine's process is inherited. Where there is no fork server (not on Linux or macOS), spawn."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["pagedllm.parallel.worker"])
+    return ctx
 
 
 def _end(processes: list, timeout_s: float = 10.0) -> None:

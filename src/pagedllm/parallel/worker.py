@@ -1,7 +1,7 @@
 """A tensor-parallel worker process (ranks 1..N-1): it loads its shard of the model, allocates its
 KV pool (its KV heads, the block count the ranks agree on), then runs each step rank 0 sends:
 the KV block moves and the model's forward over its heads (its all-reduces meet the other ranks'),
-never sampling. It leaves on a stop message, when rank 0's sockets close, or when its parent
+never sampling. It leaves on a stop message, when rank 0's sockets close, or when the engine's
 process is gone (checked every second), so no worker outlives its engine. It ignores Ctrl-C:
 rank 0 takes it and stops the workers.
 """
@@ -25,11 +25,25 @@ from pagedllm.parallel.handle import START_TIMEOUT_S, RankHandle
 from pagedllm.parallel.step_message import StepDecoder
 
 
-def _exit_with_parent(parent_pid: int) -> None:
+def _exit_with_parent(engine_pid: int) -> None:
+    """End this process once the engine's is gone: its parent changed (a fork server's worker is
+    re-parented when the server leaves with the engine's process; a spawned one, when the engine's
+    process itself ends), or ``engine_pid`` no longer exists."""
+    parent_pid = os.getppid()
     while True:
         time.sleep(1.0)
-        if os.getppid() != parent_pid:
+        if os.getppid() != parent_pid or not _exists(engine_pid):
             os._exit(3)
+
+
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # there, but another user's: a pid reused after the engine's ended
+        return False
+    return True
 
 
 def serve_rank(handle: RankHandle, options) -> None:
@@ -47,10 +61,15 @@ def serve_rank(handle: RankHandle, options) -> None:
             handle.collectives.all_gather(torch.tensor([len(decoder.tables)]))
 
 
-def worker_main(options, rank: int, world_size: int, host: str, port: int, parent_pid: int, errors) -> None:
-    """The spawned process's entry point (``TensorParallelGroup.start``)."""
+def worker_main(options, rank: int, world_size: int, host: str, port: int, engine_pid: int, errors,
+                environ: dict[str, str]) -> None:
+    """The worker process's entry point (``TensorParallelGroup.start``). ``environ``: the engine
+    process's environment when it started the group (a fork server's child would otherwise have the
+    server's, from when this process's first group started)."""
+    os.environ.clear()
+    os.environ.update(environ)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
+    threading.Thread(target=_exit_with_parent, args=(engine_pid,), daemon=True).start()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     try:
         serve_rank(RankHandle(Collectives(host, port, rank, world_size, connect_timeout_s=START_TIMEOUT_S)), options)
