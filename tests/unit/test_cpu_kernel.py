@@ -233,3 +233,28 @@ def test_few_row_tiles_in_a_batch_equal_each_alone_and_dense(monkeypatch, head_d
         alone = ops.paged_attention(query[rows].contiguous(), [k_cache, v_cache], torch.tensor([0, new_tokens]),
                                     lens[s:s + 1], tables[s:s + 1].contiguous(), scale)
         assert torch.equal(alone, together[rows]), f"sequence {s} (context {contexts[s]})"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_query_holding_nan_or_inf_gives_nan_where_the_reference_does(backend, dtype):
+    """A NaN or an infinite query value makes its row's scores NaN or infinite, and the reference's
+    output for that (row, head) NaN: the kernel's online softmax must keep it NaN on every ISA
+    (AVX2's exp once clamped a NaN to exp(-87), a finite weight), the other rows unharmed. Decode
+    rows (the few-row block step) and a prefill chunk's rows (the tiled path)."""
+    k1, v1, query, new_k, new_v, meta, _ = build_case([(40, 1), (70, 1), (17, 1), (100, 33)], B, 6, 2, dtype,
+                                                       seed=3)
+    query[0, 0, 3] = float("nan")   # decode rows first (build_case's order)
+    query[1, 2, 5] = float("inf")
+    query[13, 4, 0] = -float("inf")  # the chunk's 11th row
+    query[20, 1, 7] = float("nan")
+    k2, v2 = k1.clone(), v1.clone()
+    ref = ReferenceBackend(HEAD_DIM ** -0.5)
+    ref.write_kv(LayerKV(k1, v1), new_k, new_v, meta)
+    backend.write_kv(LayerKV(k2, v2), new_k, new_v, meta)
+    expected = ref.forward(query, LayerKV(k1, v1), meta)
+    out = backend.forward(query, LayerKV(k2, v2), meta)
+    nan = expected.isnan()
+    assert nan[0, 0].all() and nan[1, 2].all() and nan[13, 4].all() and nan[20, 1].all()
+    assert torch.equal(out.isnan(), nan)
+    tol = dict(atol=1e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(out[~nan].float(), expected[~nan].float(), **tol)

@@ -66,9 +66,10 @@ inline v16 exp_poly16(v16 x) {
 #if defined(__AVX2__) && !defined(__AVX512F__)
 // AVX2: 16-float vectors are split into 128-bit pieces through the stack wherever GCC lowers a
 // select or a conversion on them (10x slower attention), so the hot loops use 8-float registers.
-// exp_poly on 8 lanes: the same clamp, floor and polynomial as exp_poly16.
+// exp_poly on 8 lanes: the same clamp, floor and polynomial as exp_poly16, and a NaN stays NaN as
+// there (vmaxps/vminps return their second operand where either is NaN: x goes second).
 inline __m256 exp_poly8(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+  x = _mm256_min_ps(_mm256_set1_ps(88.0f), _mm256_max_ps(_mm256_set1_ps(-87.0f), x));
   const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
   const __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x));
   __m256 p = _mm256_set1_ps(1.9875691500e-4f);
