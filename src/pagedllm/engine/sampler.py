@@ -206,7 +206,7 @@ class Sampler:
         masked in the caller's ``logits`` in place (unless those rows want logprobs). Logits in the
         model's dtype are widened to float32 first, unless every row only takes their arg-max
         (``takes_raw_argmax``): then the pick is read from them as they are, the same token, without
-        a float32 copy of the batch (0.5 ms a step at 64 rows of SmolLM2's 49,152)."""
+        a float32 copy of the batch (at batch 64, 64 x 49,152 logits of SmolLM2: 12 MiB)."""
         if logits.dtype != torch.float32 and (
                 grammar is not None or not all(r.sampling_params.takes_raw_argmax for r in reqs)):
             logits = logits.float()
