@@ -51,10 +51,18 @@ def parity_prompts(smollm_fp32) -> list[list[int]]:
 
 def pytest_collection_finish(session):
     """Start HF's side of the parity tests (``tests/hf_reference.py``) in a process of its own when
-    a collected test needs it: loading the GGUF into transformers is about 15 s of single-threaded
-    parsing, which then runs beside the tests before it instead of in line."""
+    a collected test needs it: transformers' GGUF load is slow single-threaded parsing, which then
+    runs beside the tests before it instead of in line."""
     if any("hf_parity_expected" in getattr(item, "fixturenames", ()) for item in session.items):
         session.config.stash[HF_REFERENCE] = HfReferenceProcess()
+
+
+def pytest_sessionfinish(session):
+    """A reference process no test waited for (the run stopped first) ends with the session."""
+    proc = session.config.stash.get(HF_REFERENCE, None)
+    if proc is not None and proc.proc.poll() is None:
+        proc.proc.kill()
+        proc.proc.wait()
 
 
 @pytest.fixture(scope="session")

@@ -39,9 +39,7 @@ def _exit_with_parent(engine_pid: int) -> None:
 def _exists(pid: int) -> bool:
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # there, but another user's: a pid reused after the engine's ended
+    except (ProcessLookupError, PermissionError):  # gone, or another user's: a pid reused since
         return False
     return True
 
