@@ -31,6 +31,8 @@ LLAMACPP_CMAKE := $(if $(shell grep -m1 -ow amx_tile /proc/cpuinfo 2>/dev/null),
 # installed ones stay this CPU's) and torch's own kernels are capped to the family
 # (src/pagedllm/build_record.py). CI runs plain `make test`.
 AS_FAMILY := $(if $(CPU_FAMILY),PAGEDLLM_CPU_FAMILY=$(CPU_FAMILY))
+# The suite runs on one pytest-xdist worker per core (tests/conftest.py shares the cores among them).
+TEST_WORKERS ?= $(shell nproc 2>/dev/null || echo 1)
 
 .PHONY: run test lint bench clean gpu-wheels peers
 
@@ -59,7 +61,7 @@ run: $(STAMP)
 test: $(STAMP)
 	$(PY) -m ruff check src tests
 	$(if $(CPU_FAMILY),$(AS_FAMILY) $(PY) -m pagedllm.extensions --build)
-	$(AS_FAMILY) $(PY) -m pytest -q
+	$(AS_FAMILY) $(PY) -m pytest -q -n $(TEST_WORKERS)
 
 bench: $(STAMP)
 	$(PY) -m pagedllm.cli bench throughput

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import os
+from pathlib import Path
 
 # Triton kernels run on CPU tensors through the interpreter when there is no GPU; this must be
 # set before anything imports triton. (A container may see its one GPU as /dev/nvidia3.)
@@ -13,10 +14,20 @@ if not glob.glob("/dev/nvidia[0-9]*"):
 # never compiles them itself; this must be set before anything loads an extension.
 os.environ["PAGEDLLM_NO_BUILD"] = "1"
 
+# `make test` runs the suite on one pytest-xdist worker per core: the cores are shared, so each
+# worker's torch, and every process a test starts (servers, CLI runs; OMP_NUM_THREADS), takes its
+# share of them, and kernel unit tests take them all (``kernel_threads``) so the kernels' splits of
+# work between threads run too. Run alone, a test has every core.
+CORES = os.cpu_count() or 1
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+THREADS = max(1, CORES // WORKERS)
+if WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-torch.set_num_threads(max(1, os.cpu_count() or 1))
+torch.set_num_threads(THREADS)
 
 PROMPT_TEXT = (
     "The history of computing is full of ideas that were rediscovered. Virtual memory, for "
@@ -49,11 +60,52 @@ def parity_prompts(smollm_fp32) -> list[list[int]]:
     return make_parity_prompts(smollm_fp32.get_tokenizer())
 
 
+def pytest_xdist_make_scheduler(config, log):
+    """How ``make test`` shares the suite between its pytest-xdist workers (``SuiteScheduling``)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SuiteScheduling(LoadScopeScheduling):
+        """A worker takes a test module whole (its module fixtures are built once), and tests/server
+        whole: the session's server starts once, and ``test_zz_every_field_is_sent`` runs after
+        every other server test, in the same process. tests/server, the longest unit (about two
+        fifths of the suite), goes out first; the rest in collection order, so that the long
+        modules (bench, cluster, integration) run early and the many short ones fill the end."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return SERVER_TESTS if path.startswith(SERVER_TESTS + "/") else path
+
+        def _assign_work_unit(self, node) -> None:
+            if SERVER_TESTS in self.workqueue:
+                self.workqueue.move_to_end(SERVER_TESTS, last=False)
+            super()._assign_work_unit(node)
+
+    config.option.loadscopereorder = False  # the queue in collection order (xdist's default: by size)
+    return SuiteScheduling(config, log)
+
+
+SERVER_TESTS = "tests/server"
+
+
+@pytest.fixture(autouse=True)
+def kernel_threads(request):
+    """A kernel unit test (tests/unit) runs with every core's thread, even beside another worker."""
+    if THREADS == CORES or Path(str(request.node.path)).parent.name != "unit":
+        yield
+        return
+    torch.set_num_threads(CORES)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(THREADS)
+
+
 def pytest_collection_finish(session):
     """Start HF's side of the parity tests (``tests/hf_reference.py``) in a process of its own when
     a collected test needs it: transformers' GGUF load is slow single-threaded parsing, which then
-    runs beside the tests before it instead of in line."""
-    if any("hf_parity_expected" in getattr(item, "fixturenames", ()) for item in session.items):
+    runs beside the tests before it instead of in line. Under xdist every worker collects every
+    test, so there the fixture starts it when first used (beside the other worker's tests)."""
+    if WORKERS == 1 and any("hf_parity_expected" in getattr(item, "fixturenames", ()) for item in session.items):
         session.config.stash[HF_REFERENCE] = HfReferenceProcess()
 
 
