@@ -67,6 +67,26 @@ def test_default_model_keeps_its_blocks_and_dense_weights_agree():
         assert torch.equal(w.quantized[name].dequantize(), w.state_dict[name])
 
 
+def test_a_gguf_cache_write_that_fails_leaves_no_folder_behind(tmp_path, monkeypatch):
+    """A full disk while the converted GGUF (~0.7 GB) is written: the load still returns the
+    weights, and no half-written folder stays in the cache (it was left there, never removed)."""
+    import safetensors.torch
+
+    from pagedllm.models.loader import default_model_path, load_weights
+
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
+
+    def disk_full(tensors, filename, *args, **kwargs):
+        with open(filename, "wb") as f:
+            f.write(b"\0" * 4096)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", disk_full)
+    loaded = load_weights(default_model_path())
+    assert "model.norm.weight" in loaded.state_dict
+    assert list((tmp_path / "cache" / "gguf").iterdir()) == []
+
+
 def test_the_gguf_cache_keeps_only_folders_a_load_can_use(tmp_path, monkeypatch):
     """A new cache folder drops those of GGUFs that changed or are gone (a new .venv moves the default
     model) and those of older cache versions; the current one is what the next load reads."""

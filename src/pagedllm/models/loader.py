@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from pagedllm import cpu_features
-from pagedllm.cache_dir import cache_dir
+from pagedllm.cache_dir import cache_dir, folder_written_once
 from pagedllm.config import ModelConfig, RopeScaling
 from pagedllm.errors import ModelLoadError
 from pagedllm.models.awq import check_awq_config, read_awq_state
@@ -139,18 +139,13 @@ def _load_gguf_cached(path: Path) -> LoadedWeights:
             log.warning("GGUF cache %s unreadable (%s); rebuilding it", folder, e)
     loaded = _load_gguf(path)
     try:
-        tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
-        tmp.mkdir(parents=True, exist_ok=True)
-        entries = {k: v.contiguous() for k, v in loaded.state_dict.items()}
-        for name, q in loaded.quantized.items():
-            entries.update({k: v.contiguous() for k, v in q.tensors(name).items()})
-        save_file(entries, str(tmp / "weights.safetensors"))
-        (tmp / "model_config.json").write_text(json.dumps(dataclasses.asdict(loaded.config)))
-        (tmp / SOURCE_FILE).write_text(json.dumps({"path": str(path.resolve())}))
-        if folder.exists():
-            shutil.rmtree(tmp)
-        else:
-            tmp.replace(folder)
+        with folder_written_once(folder) as tmp:
+            entries = {k: v.contiguous() for k, v in loaded.state_dict.items()}
+            for name, q in loaded.quantized.items():
+                entries.update({k: v.contiguous() for k, v in q.tensors(name).items()})
+            save_file(entries, str(tmp / "weights.safetensors"))
+            (tmp / "model_config.json").write_text(json.dumps(dataclasses.asdict(loaded.config)))
+            (tmp / SOURCE_FILE).write_text(json.dumps({"path": str(path.resolve())}))
         drop_stale_gguf_caches()
     except OSError as e:
         log.warning("could not cache the dequantized GGUF at %s: %s", folder, e)

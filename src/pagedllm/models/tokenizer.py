@@ -11,13 +11,11 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
-import os
-import shutil
 from pathlib import Path
 
 import transformers
 
-from pagedllm.cache_dir import cache_dir
+from pagedllm.cache_dir import cache_dir, folder_written_once
 
 log = logging.getLogger(__name__)
 
@@ -46,12 +44,8 @@ class Tokenizer:
                 log.warning("tokenizer cache %s unreadable; rebuilding it", cached)
         tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
         try:
-            tmp = cached.with_name(cached.name + f".tmp{os.getpid()}")
-            tok.save_pretrained(str(tmp))
-            if cached.exists():  # another process cached it meanwhile
-                shutil.rmtree(tmp)
-            else:
-                tmp.replace(cached)
+            with folder_written_once(cached) as tmp:
+                tok.save_pretrained(str(tmp))
         except OSError as e:
             log.warning("could not cache the tokenizer at %s: %s", cached, e)
         return cls(tok)
