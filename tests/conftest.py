@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import glob
 import os
-from pathlib import Path
 
 # Triton kernels run on CPU tensors through the interpreter when there is no GPU; this must be
 # set before anything imports triton. (A container may see its one GPU as /dev/nvidia3.)
@@ -16,8 +15,8 @@ os.environ["PAGEDLLM_NO_BUILD"] = "1"
 
 # `make test` runs the suite on one pytest-xdist worker per core: the cores are shared, so each
 # worker's torch, and every process a test starts (servers, CLI runs; OMP_NUM_THREADS), takes its
-# share of them, and kernel unit tests take them all (``kernel_threads``) so the kernels' splits of
-# work between threads run too. Run alone, a test has every core.
+# share of them, and the kernel tests take them all (``EVERY_CORE``) so the kernels' splits of work
+# between threads run too. Run alone, a test has every core.
 CORES = os.cpu_count() or 1
 WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 THREADS = max(1, CORES // WORKERS)
@@ -87,10 +86,15 @@ def pytest_xdist_make_scheduler(config, log):
 SERVER_TESTS = "tests/server"
 
 
+# What runs on every core's thread even beside another worker: the kernel unit tests, and the C++
+# layer loop against the Python one (a few seconds).
+EVERY_CORE = ("tests/unit/", "tests/integration/test_decoder_stack.py")
+
+
 @pytest.fixture(autouse=True)
 def kernel_threads(request):
-    """A kernel unit test (tests/unit) runs with every core's thread, even beside another worker."""
-    if THREADS == CORES or Path(str(request.node.path)).parent.name != "unit":
+    """A test of ``EVERY_CORE`` runs with every core's thread, even beside another worker."""
+    if THREADS == CORES or not request.node.nodeid.startswith(EVERY_CORE):
         yield
         return
     torch.set_num_threads(CORES)
