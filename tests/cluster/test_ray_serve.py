@@ -80,8 +80,9 @@ def wait_for(predicate, timeout: float = 20.0, what: str = "the condition"):
 
 
 def decision_of(cluster, response_id: str) -> dict:
-    """The router's decision for a request. It is logged when Ray reports the request routed, on the
-    router's own event loop, which a busy machine can run after a short answer is already back."""
+    """The router's decision for a request, logged when Ray reports the request routed (on the
+    router's own event loop, so it may come just after a short answer). Under pytest-xdist a decision
+    was twice never logged at all (docs/benchmarks.md, "The suite's time"): not yet understood."""
     request_id = f"{response_id}-0"
     return wait_for(lambda: next((d for d in view(cluster)["decisions"] if d["request_id"] == request_id), None),
                     what=f"the router's decision for {request_id}")
