@@ -10,7 +10,9 @@ the replicas' block size, hash algorithm and the cluster's secret ``prefix_cachi
 - **Each replica's cache**: its KV events, subscribed to through ``KVEventFeed`` at the endpoints
   its routing stats announce (replayed from the start on subscription).
 - **Each replica's load**: requests this router has in flight there (``on_request_routed`` /
-  ``on_request_completed``: exact at once for one ingress) or what its routing stats report
+  ``on_request_completed``: exact at once for one ingress; Ray may report a short request completed
+  before it reports it routed, since it registers the completion callback first, and such a request
+  is never counted in flight) or what its routing stats report
   (requests waiting and running, for the requests other ingress replicas sent), whichever is
   larger; its KV usage and waiting requests (a full pool with a queue: saturated) from the stats.
 - **The choice**: the policy's replica first, then the others from the least loaded, so Ray Serve
@@ -68,7 +70,9 @@ class KVAwareRequestRouter(FIFOMixin, RequestRouter):
         self.block_size = 0
         self.states: dict[str, ReplicaState] = {}
         self.stats: dict[str, dict] = {}  # replica -> its latest routing stats
-        self.in_flight: Counter = Counter()
+        self.in_flight: Counter = Counter()  # replica -> len of its (replica, internal id) pairs in _sent
+        self._sent: set[tuple[str, str]] = set()  # routed, not yet completed
+        self._completed_unrouted: OrderedDict[tuple[str, str], None] = OrderedDict()  # completed first
         self.routed_total: Counter = Counter()  # replica -> requests routed there
         self.reasons: Counter = Counter()
         self.decisions: deque[Decision] = deque(maxlen=1000)
@@ -91,6 +95,10 @@ class KVAwareRequestRouter(FIFOMixin, RequestRouter):
             i, held = self.policy.choose(hashes, states), 0
         reason = self.policy.last_reason if isinstance(self.policy, PrefixAware) else "policy"
         chosen = candidate_replicas[i]
+        if pending_request is not None:  # a retry: what an earlier, rejected try left is done with
+            for r in candidate_replicas:
+                self._completed_unrouted.pop((r.replica_id.unique_id, pending_request.metadata.internal_request_id),
+                                             None)
         if pending_request is not None and pending_request.metadata.call_method == "generate":
             decision = Decision(str(pending_request.args[0]) if pending_request.args else "",
                                 chosen.replica_id.unique_id, reason, held,
@@ -103,10 +111,14 @@ class KVAwareRequestRouter(FIFOMixin, RequestRouter):
         return [[chosen], rest] if rest else [[chosen]]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
-        rid = replica_id.unique_id
-        self.in_flight[rid] += 1
+        rid, internal_id = replica_id.unique_id, pending_request.metadata.internal_request_id
+        if (rid, internal_id) in self._completed_unrouted:  # a short answer Ray reported done first
+            del self._completed_unrouted[(rid, internal_id)]
+        else:
+            self._sent.add((rid, internal_id))
+            self.in_flight[rid] += 1
         self.routed_total[rid] += 1
-        decision, hashes = self._choices.pop(pending_request.metadata.internal_request_id, (None, []))
+        decision, hashes = self._choices.pop(internal_id, (None, []))
         if decision is not None:
             if decision.replica != rid:  # Ray moved it on (the chosen replica was full)
                 decision = Decision(decision.request_id, rid, "full", 0, decision.loads)
@@ -119,10 +131,18 @@ class KVAwareRequestRouter(FIFOMixin, RequestRouter):
         self._refresh_load(rid)
 
     def on_request_completed(self, replica_id, internal_request_id: str) -> None:
+        """Ray calls this once per request sent to a replica: accepted, rejected (then retried with a
+        new choice under the same internal id) or cancelled; an accepted one possibly before
+        ``on_request_routed``. The choice stays for ``on_request_routed`` (``_choices`` is bounded)."""
         rid = replica_id.unique_id
-        self._choices.pop(internal_request_id, None)
-        if self.in_flight[rid] > 0:
+        key = (rid, internal_request_id)
+        if key in self._sent:
+            self._sent.remove(key)
             self.in_flight[rid] -= 1
+        else:
+            self._completed_unrouted[key] = None
+            while len(self._completed_unrouted) > MAX_PENDING_CHOICES:  # rejections, never routed
+                self._completed_unrouted.popitem(last=False)
         self._refresh_load(rid)
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
@@ -132,6 +152,7 @@ class KVAwareRequestRouter(FIFOMixin, RequestRouter):
             del self.states[rid]  # a replica that died or was scaled away
             self.stats.pop(rid, None)
             self.in_flight.pop(rid, None)
+            self._sent = {key for key in self._sent if key[0] != rid}
             if self.feed is not None:
                 self.feed.forget(rid)
 
@@ -192,4 +213,4 @@ class KVAwareRequestRouter(FIFOMixin, RequestRouter):
             if lock is not None:
                 lock.release()
         return {"routing": self.routing, "replicas": replicas, "reasons": dict(self.reasons),
-                "decisions": [vars(d) for d in self.decisions]}
+                "decisions": [vars(d) for d in list(self.decisions)]}  # list(): one step, as Ray's loop appends
