@@ -13,10 +13,10 @@ if not glob.glob("/dev/nvidia[0-9]*"):
 # never compiles them itself; this must be set before anything loads an extension.
 os.environ["PAGEDLLM_NO_BUILD"] = "1"
 
-# Under pytest-xdist (`make test TEST_WORKERS=2`; the default runs one process) the cores are shared: each
-# worker's torch, and every process a test starts (servers, CLI runs; OMP_NUM_THREADS), takes its
-# share of them, and the kernel tests take them all (``EVERY_CORE``) so the kernels' splits of work
-# between threads run too. Run alone, a test has every core.
+# Under pytest-xdist (`make test`: a worker per core, at most 4; TEST_WORKERS=0 runs one process) the
+# cores are shared: each worker's torch, and every process a test starts (servers, CLI runs;
+# OMP_NUM_THREADS), takes its share of them, and the kernel tests take them all (``EVERY_CORE``) so
+# the kernels' splits of work between threads run too. Run alone, a test has every core.
 CORES = os.cpu_count() or 1
 WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 THREADS = max(1, CORES // WORKERS)
@@ -60,7 +60,7 @@ def parity_prompts(smollm_fp32) -> list[list[int]]:
 
 
 def pytest_xdist_make_scheduler(config, log):
-    """How ``make test TEST_WORKERS=N`` shares the suite between its xdist workers (``SuiteScheduling``)."""
+    """How ``make test`` (``TEST_WORKERS=N``) shares the suite between its xdist workers (``SuiteScheduling``)."""
     from xdist.scheduler import LoadScopeScheduling
 
     class SuiteScheduling(LoadScopeScheduling):
