@@ -93,3 +93,26 @@ def test_a_request_rejected_and_then_accepted_by_the_same_replica_is_counted_in_
     assert loads(router) == {"a": (1, 1)}
     router.on_request_completed(a.replica_id, "i1")
     assert logged(router) == [("req-1", "a")] and loads(router) == {"a": (0, 0)}
+
+
+def test_a_replica_chosen_for_one_request_goes_to_that_request_not_the_oldest_waiting(router):
+    """Ray's routing tasks (at most two per replica) each choose for one pending request; the replica
+    found is then handed to a pending request by the router's matching rule. The choice is this
+    request's (its prompt's cached prefix), so it must go to this request, as in Ray's own
+    prefix-aware routers, and not to the oldest one waiting (Ray's FIFOMixin)."""
+    from ray.serve._private.common import RequestMetadata
+    from ray.serve.request_router import PendingRequest
+
+    async def hand_over() -> tuple[bool, bool]:
+        older, newer = (PendingRequest(args=[f"{name}-0", [1] * 8, None], kwargs={},
+                                       metadata=RequestMetadata(request_id=name, internal_request_id=f"i-{name}",
+                                                                call_method="generate"))
+                        for name in ("older", "newer"))
+        for pr in (older, newer):
+            router._pending_requests_to_fulfill.append(pr)
+            router._add_pending_request_to_indices(pr)
+        a = replica("a")
+        router._fulfill_next_pending_request(a, newer.metadata)  # newer's routing task found a for it
+        return newer.future.done() and newer.future.result() is a, older.future.done()
+
+    assert asyncio.run(hand_over()) == (True, False)

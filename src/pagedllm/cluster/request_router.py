@@ -16,8 +16,10 @@ the replicas' block size, hash algorithm and the cluster's secret ``prefix_cachi
   (requests waiting and running, for the requests other ingress replicas sent), whichever is
   larger; its KV usage and waiting requests (a full pool with a queue: saturated) from the stats.
 - **The choice**: the policy's replica first, then the others from the least loaded, so Ray Serve
-  moves on when the chosen one is at ``max_ongoing_requests``. A dead replica leaves the candidate
-  list (Ray's replica updates), so requests not yet sent go elsewhere.
+  moves on when the chosen one is at ``max_ongoing_requests``. A replica found for a request goes to
+  that request (Ray's default matching by internal id, as in Ray's own prefix-aware routers), not to
+  the oldest one waiting (Ray's ``FIFOMixin``): the choice was made for its prompt's prefix. A dead
+  replica leaves the candidate list (Ray's replica updates), so requests not yet sent go elsewhere.
 
 Every routed request is logged with its reason and the loads seen (``decisions``, the last
 1,000; ``/cluster`` on the ingress shows them), so tests check decisions against the replicas'
@@ -31,7 +33,7 @@ from __future__ import annotations
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass
 
-from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from pagedllm.cluster import router_registry
 from pagedllm.cluster.event_feed import KVEventFeed
@@ -57,7 +59,7 @@ class Decision:
     loads: dict[str, int]    # every candidate's load when it was chosen
 
 
-class KVAwareRequestRouter(FIFOMixin, RequestRouter):
+class KVAwareRequestRouter(RequestRouter):
     def initialize_state(self, routing: str = "prefix-aware", load_threshold: int = DEFAULT_LOAD_THRESHOLD,
                          hash_seed: int | None = None, topic: str = "", seed: int = 0) -> None:
         kwargs = {} if routing == "round-robin" else {"seed": seed}
