@@ -80,3 +80,20 @@ def test_weight_modes_int8_and_a_requantized_gguf(tmp_path, capsys):
     assert q6["kind"] == "Q6_K" and q6["tensors"] == 30  # SmolLM2's down projections (rows of 1,536)
     assert 0.2 < q6["share_of_projection_weights"] < 0.3 and 0 < q6["relative_rms_error"] < 0.03
     assert "q6_k: 30 tensors re-encoded as Q6_K" in capsys.readouterr().out
+
+
+def test_a_requantized_copy_that_fails_leaves_nothing_behind(tmp_path, monkeypatch):
+    """A re-encoding that fails part-way (a full disk) leaves no half-written GGUF in the cache (a
+    later run would otherwise find no copy and write another beside it, or two runs share one name)."""
+    from pagedllm.bench.accuracy import requantized_copy
+
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path))
+
+    def fails_part_way(source, target, kind_of):
+        target.write_bytes(b"GGUF" + bytes(1000))
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("pagedllm.models.kquant_encode.requantize_gguf", fails_part_way)
+    with pytest.raises(OSError, match="No space left"):
+        requantized_copy(None, "Q6_K")
+    assert [p.name for p in (tmp_path / "requantized").rglob("*")] == []

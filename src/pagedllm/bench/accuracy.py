@@ -160,39 +160,39 @@ def requantized_copy(model: str | None, kind: str) -> tuple[Path, dict]:
     """The GGUF ``model`` (default: the embedded one) with every tensor whose rows are whole 256-value
     super-blocks re-encoded as ``kind``, and what was re-encoded: the tensors, their share of the
     decoder's projection weights, their relative RMS error. Written once into the cache folder
-    (``requantized/``, keyed like the GGUF cache), as the loader's converted weights are."""
+    (``requantized/<model>.<key>.<kind>/``, keyed like the GGUF cache: the GGUF and its summary) by
+    ``folder_written_once``, so a failed or concurrent write leaves no half-written file."""
     import gguf
 
-    from pagedllm.cache_dir import cache_dir
-    from pagedllm.models.kquant_encode import requantize_gguf
+    from pagedllm.cache_dir import cache_dir, folder_written_once
+    from pagedllm.models import kquant_encode
     from pagedllm.models.loader import gguf_cache_key, resolve_model_path
 
     source = resolve_model_path(model)
     if source.suffix != ".gguf":
         raise SystemExit(f"weight mode {kind.lower()} re-encodes a GGUF's tensors; {source} is not a GGUF")
-    folder = cache_dir() / "requantized"
-    target = folder / f"{source.stem}.{gguf_cache_key(source)}.{kind}.gguf"
-    summary_file = target.with_suffix(".json")
-    if target.exists() and summary_file.exists():
-        return target, json.loads(summary_file.read_text())
-    folder.mkdir(parents=True, exist_ok=True)
-    partial = target.with_name(target.name + ".partial")
-    names = requantize_gguf(source, partial, lambda name: kind if name.startswith("blk.") else None)
-    original = {t.name: t for t in gguf.GGUFReader(str(source)).tensors}
-    squared_error = squared_norm = 0.0
-    for t in gguf.GGUFReader(str(partial)).tensors:
-        if t.name in names:
-            a = torch.from_numpy(gguf.quants.dequantize(original[t.name].data, original[t.name].tensor_type).copy())
-            b = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy())
-            squared_error += float(((a - b) ** 2).sum())
-            squared_norm += float((a ** 2).sum())
-    projections = sum(int(t.n_elements) for t in original.values() if t.name.startswith("blk.") and len(t.shape) == 2)
-    summary = {"kind": kind, "tensors": len(names),
-               "share_of_projection_weights": sum(int(original[n].n_elements) for n in names) / max(projections, 1),
-               "relative_rms_error": math.sqrt(squared_error / max(squared_norm, 1e-30))}
-    partial.replace(target)
-    summary_file.write_text(json.dumps(summary))
-    return target, summary
+    folder = cache_dir() / "requantized" / f"{source.stem}.{gguf_cache_key(source)}.{kind}"
+    name = f"{source.stem}.{kind}.gguf"
+    if (folder / name).exists() and (folder / "summary.json").exists():
+        return folder / name, json.loads((folder / "summary.json").read_text())
+    with folder_written_once(folder) as tmp:
+        names = kquant_encode.requantize_gguf(source, tmp / name,
+                                              lambda tensor: kind if tensor.startswith("blk.") else None)
+        original = {t.name: t for t in gguf.GGUFReader(str(source)).tensors}
+        squared_error = squared_norm = 0.0
+        for t in gguf.GGUFReader(str(tmp / name)).tensors:
+            if t.name in names:
+                a = torch.from_numpy(gguf.quants.dequantize(original[t.name].data, original[t.name].tensor_type).copy())
+                b = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy())
+                squared_error += float(((a - b) ** 2).sum())
+                squared_norm += float((a ** 2).sum())
+        projections = sum(int(t.n_elements) for t in original.values()
+                          if t.name.startswith("blk.") and len(t.shape) == 2)
+        summary = {"kind": kind, "tensors": len(names),
+                   "share_of_projection_weights": sum(int(original[n].n_elements) for n in names) / max(projections, 1),
+                   "relative_rms_error": math.sqrt(squared_error / max(squared_norm, 1e-30))}
+        (tmp / "summary.json").write_text(json.dumps(summary))
+    return folder / name, summary
 
 
 def run(args) -> dict:
