@@ -5,6 +5,7 @@ in-flight count returns to zero when it completes, whichever of Ray's two callba
 Ray 2.60's router registers a request's completion callback before it awaits the replica's
 accept/reject answer and calls ``on_request_routed`` after it; both run on the router's event loop,
 in whatever order they were scheduled, so a short answer can complete before it is reported routed.
+And a replica found for one request goes to that request, not to the oldest one waiting.
 """
 
 from __future__ import annotations
