@@ -174,8 +174,9 @@ def test_a_follow_up_turn_goes_to_the_replica_that_served_the_conversation(clust
 
 def test_every_short_answer_of_a_burst_has_its_decision_and_leaves_nothing_in_flight(cluster):
     """Ray may report a short answer completed before it reports it routed (its router registers the
-    completion callback first): one-token answers sixteen at a time did so about once in a hundred on
-    a 2-core machine, and each such request lost its logged decision and stayed in its replica's load."""
+    completion callback first): one-token answers sixteen at a time did so for 1-4% of them on a
+    2-core machine with its cores busy (scripts/router_burst.py), and each such request lost its
+    logged decision and stayed in its replica's load."""
     def answered(i: int) -> str:
         r = httpx.post(cluster.url + "/v1/completions", timeout=120,
                        json={"model": "tiny", "prompt": f"burst {i} " * 6, "max_tokens": 1})

@@ -30,7 +30,7 @@ module by value: what it must share with the rest of the process lives in other 
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict, deque
+from collections import Counter, OrderedDict, defaultdict, deque
 from dataclasses import dataclass
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
@@ -72,8 +72,7 @@ class KVAwareRequestRouter(RequestRouter):
         self.block_size = 0
         self.states: dict[str, ReplicaState] = {}
         self.stats: dict[str, dict] = {}  # replica -> its latest routing stats
-        self.in_flight: Counter = Counter()  # replica -> len of its (replica, internal id) pairs in _sent
-        self._sent: set[tuple[str, str]] = set()  # routed, not yet completed
+        self.in_flight: defaultdict[str, set[str]] = defaultdict(set)  # replica -> internal ids routed, not completed
         self._completed_unrouted: OrderedDict[tuple[str, str], None] = OrderedDict()  # completed first
         self.routed_total: Counter = Counter()  # replica -> requests routed there
         self.reasons: Counter = Counter()
@@ -117,8 +116,7 @@ class KVAwareRequestRouter(RequestRouter):
         if (rid, internal_id) in self._completed_unrouted:  # a short answer Ray reported done first
             del self._completed_unrouted[(rid, internal_id)]
         else:
-            self._sent.add((rid, internal_id))
-            self.in_flight[rid] += 1
+            self.in_flight[rid].add(internal_id)
         self.routed_total[rid] += 1
         decision, hashes = self._choices.pop(internal_id, (None, []))
         if decision is not None:
@@ -137,12 +135,10 @@ class KVAwareRequestRouter(RequestRouter):
         new choice under the same internal id) or cancelled; an accepted one possibly before
         ``on_request_routed``. The choice stays for ``on_request_routed`` (``_choices`` is bounded)."""
         rid = replica_id.unique_id
-        key = (rid, internal_request_id)
-        if key in self._sent:
-            self._sent.remove(key)
-            self.in_flight[rid] -= 1
+        if internal_request_id in self.in_flight.get(rid, ()):
+            self.in_flight[rid].remove(internal_request_id)
         else:
-            self._completed_unrouted[key] = None
+            self._completed_unrouted[(rid, internal_request_id)] = None
             while len(self._completed_unrouted) > MAX_PENDING_CHOICES:  # rejections, never routed
                 self._completed_unrouted.popitem(last=False)
         self._refresh_load(rid)
@@ -154,7 +150,6 @@ class KVAwareRequestRouter(RequestRouter):
             del self.states[rid]  # a replica that died or was scaled away
             self.stats.pop(rid, None)
             self.in_flight.pop(rid, None)
-            self._sent = {key for key in self._sent if key[0] != rid}
             if self.feed is not None:
                 self.feed.forget(rid)
 
@@ -183,7 +178,7 @@ class KVAwareRequestRouter(RequestRouter):
         waiting = int(stats.get("num_waiting", 0))
         reported = waiting + int(stats.get("num_running", 0))
         state.num_waiting = waiting
-        state.num_running = max(self.in_flight[rid], reported) - waiting
+        state.num_running = max(len(self.in_flight.get(rid, ())), reported) - waiting
         state.kv_usage = float(stats.get("kv_usage", 0.0))
 
     def _hashes(self, pending_request: PendingRequest | None) -> list[bytes]:
@@ -207,9 +202,9 @@ class KVAwareRequestRouter(RequestRouter):
             lock.acquire()
         try:
             replicas = [{"replica": rid, "cached_blocks": len(s.cached), "exact": s.exact, "load": s.load,
-                         "num_waiting": s.num_waiting, "kv_usage": s.kv_usage, "in_flight": self.in_flight[rid],
-                         "routed": self.routed_total[rid], "last_seq": s.last_seq,
-                         "cached_digest": hash_set_digest(s.cached)}
+                         "num_waiting": s.num_waiting, "kv_usage": s.kv_usage,
+                         "in_flight": len(self.in_flight.get(rid, ())), "routed": self.routed_total[rid],
+                         "last_seq": s.last_seq, "cached_digest": hash_set_digest(s.cached)}
                         for rid, s in sorted(self.states.items())]
         finally:
             if lock is not None:
