@@ -51,6 +51,21 @@ def chat_trace(conversations: int, turns: int, rate: float, system_len: int, use
     return sorted(out, key=lambda r: r.arrival)
 
 
+def hit_rate_ceiling(trace: list[TraceRequest], block_size: int = 16) -> float:
+    """The highest prefix-cache hit rate any routing could reach on ``trace``: every turn on its
+    conversation's replica with nothing evicted (its previous prompt and answer cached, but for the
+    answer's last token, whose KV is never computed), every other request finding the shared system
+    prompt; only full blocks are found, and a prompt's last token is always computed."""
+    previous: dict[str, int] = {}
+    found = looked_up = 0
+    for i, r in enumerate(trace):
+        held = previous.get(r.conversation, r.prefix_len if i else 0)
+        found += min(held, r.prompt_len - 1) // block_size * block_size
+        looked_up += r.prompt_len
+        previous[r.conversation] = r.prompt_len + r.output_len - 1
+    return found / looked_up
+
+
 def metric_sum(text: str, name: str) -> dict[str, float]:
     """``name``'s samples by their replica label."""
     out = {}
@@ -90,6 +105,7 @@ def one_policy(args, routing: str, trace_path: str, port: int) -> dict:
                                       timeout_s=900, progress=True))
         time.sleep(2.5)  # the replicas' next reports carry the last requests
         text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
+        router = httpx.get(f"http://127.0.0.1:{port}/cluster", timeout=30).json()
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(120)
@@ -100,7 +116,8 @@ def one_policy(args, routing: str, trace_path: str, port: int) -> dict:
             "prefix_cache_queries": queries, "requests_per_replica": sorted(served.values(), reverse=True),
             "completed": report["completed"], "failed": report["failed"], "ttft_ms": report["ttft_ms"],
             "tpot_ms": report["tpot_ms"], "output_throughput": report["output_throughput"],
-            "duration_s": report["duration_s"]}
+            "duration_s": report["duration_s"], "router_reasons": router.get("reasons", {}),
+            "router_decisions": router.get("decisions", [])}
 
 
 def plot(results: list[dict], path: str, title: str) -> None:
@@ -150,16 +167,18 @@ def main() -> None:
         write_trace(trace_path, trace)
         results = [one_policy(args, routing, trace_path, args.port) for routing in args.routing.split(",")]
     by = {r["routing"]: r for r in results}
-    summary = {}
+    summary = {"hit_rate_ceiling": hit_rate_ceiling(trace)}
     if "prefix-aware" in by and "power-of-two" in by:
         pa, p2 = by["prefix-aware"], by["power-of-two"]
-        summary = {"hit_rate_ratio": pa["hit_rate"] / p2["hit_rate"] if p2["hit_rate"] else None,
-                   "ttft_p50_ratio": p2["ttft_ms"]["p50"] / pa["ttft_ms"]["p50"]}
+        summary.update(hit_rate_ratio=pa["hit_rate"] / p2["hit_rate"] if p2["hit_rate"] else None,
+                       ttft_p50_ratio=p2["ttft_ms"]["p50"] / pa["ttft_ms"]["p50"])
     for r in results:
         print(f"{r['routing']:>13}: hit rate {100 * r['hit_rate']:.1f}%, TTFT p50 {r['ttft_ms']['p50']:.0f} ms, "
               f"p99 {r['ttft_ms']['p99']:.0f} ms, {r['output_throughput']:.1f} output tok/s, "
               f"requests per replica {[int(x) for x in r['requests_per_replica']]}, failed {r['failed']}")
-    if summary:
+    print(f"the trace's hit-rate ceiling (every turn where its conversation is cached, nothing evicted): "
+          f"{100 * summary['hit_rate_ceiling']:.1f}%")
+    if "hit_rate_ratio" in summary:
         print(f"prefix-aware vs power-of-two: hit rate x{summary['hit_rate_ratio']:.2f}, "
               f"TTFT p50 {summary['ttft_p50_ratio']:.2f}x lower")
     out = {"args": vars(args), "requests": len(trace), "machine": machine_info(), "results": results,

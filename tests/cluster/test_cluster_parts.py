@@ -63,6 +63,7 @@ def test_a_silent_replica_leaves_the_board(monkeypatch):
 @pytest.mark.parametrize("kwargs, message", [
     ({"num_replicas": 0}, "--replicas"), ({"routing": "random"}, "--routing"),
     ({"load_threshold": -1}, "--routing-load-threshold"), ({"num_cpus": -1}, "--replica-cpus"),
+    ({"min_match_rate": 1.5}, "--routing-min-match-rate must be between 0 and 1, got 1.5"),
     ({"num_replicas": 5, "max_replicas": 4}, "--max-replicas 4"), ({"target_ongoing_requests": 0}, "--target"),
 ])
 def test_cluster_flags_are_checked(kwargs, message):

@@ -52,6 +52,7 @@ def cluster(tmp_path_factory):
     folder = make_tiny_checkpoint(tmp_path_factory.mktemp("cluster") / "tiny", "llama", seed=2, with_tokenizer=True)
     temp_dir = tempfile.mkdtemp(prefix="pgr-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
     proc = ServerProcess("--replicas", "2", "--replica-cpus", "0.5", "--routing-load-threshold", "1",
+                         "--routing-min-match-rate", "0.4",
                          "--model", str(folder), "--dtype", "float32", "--num-kv-blocks", "128",
                          "--block-size", str(BLOCK), "--max-num-seqs", "4", "--served-model-name", "tiny",
                          env={"RAY_TMPDIR": temp_dir}, timeout=240)
@@ -155,6 +156,8 @@ def conversation(turns: int) -> list[dict]:
 
 
 def test_a_follow_up_turn_goes_to_the_replica_that_served_the_conversation(cluster, client):
+    settings = view(cluster)
+    assert (settings["routing"], settings["load_threshold"], settings["min_match_rate"]) == ("prefix-aware", 1, 0.4)
     first = client.chat.completions.create(model="tiny", messages=conversation(1), max_tokens=2, temperature=0)
     replica = view(cluster)["served"][f"{first.id}-0"]
     prompt_blocks = first.usage.prompt_tokens // BLOCK

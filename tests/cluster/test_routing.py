@@ -33,7 +33,7 @@ def test_a_follow_up_turn_goes_to_the_replica_that_served_the_conversation():
     policy = PrefixAware(load_threshold=4)
     assert b.prefix_blocks(hashes(follow_up)) == 4 and a.prefix_blocks(hashes(follow_up)) == 0
     assert policy.choose(hashes(follow_up), [a, b]) == 1
-    assert policy.decisions == {"prefix": 1, "overloaded": 0, "no_prefix": 0}
+    assert policy.decisions == {"prefix": 1, "overloaded": 0, "short_prefix": 0, "no_prefix": 0}
 
 
 def test_an_overloaded_or_saturated_holder_loses_the_request_to_the_least_loaded():
@@ -47,7 +47,7 @@ def test_an_overloaded_or_saturated_holder_loses_the_request_to_the_least_loaded
     assert policy.choose(hashes(turn), [a, b]) == 0
     b.kv_usage = 0.5
     assert policy.choose(hashes(turn), [a, b]) == 1
-    assert policy.decisions == {"prefix": 1, "overloaded": 2, "no_prefix": 0}
+    assert policy.decisions == {"prefix": 1, "overloaded": 2, "short_prefix": 0, "no_prefix": 0}
 
 
 def test_removals_and_clears_follow_the_replica_and_lost_events_make_the_view_approximate():
@@ -83,3 +83,39 @@ def test_power_of_two_takes_the_less_loaded_of_two_and_round_robin_takes_turns()
     assert isinstance(make_policy("prefix-aware", load_threshold=2), PrefixAware)
     with pytest.raises(ValueError, match="routing must be one of prefix-aware, power-of-two, round-robin"):
         make_policy("random")
+
+
+def test_holders_tied_in_prefix_and_load_share_the_requests_instead_of_the_first_listed_taking_all():
+    system_prompt = list(range(1, 17))  # 4 blocks every conversation starts with
+    replicas = [ReplicaState("a"), ReplicaState("b"), ReplicaState("c")]
+    for r in replicas[:2]:
+        r.apply([stored(hashes(system_prompt))])
+    policy = PrefixAware(load_threshold=4, seed=3)
+    new_conversations = [hashes(system_prompt + [100 + i] * 4) for i in range(40)]  # 4 of 5 blocks held
+    chosen = [policy.choose(h, replicas) for h in new_conversations]
+    assert set(chosen) == {0, 1}  # both holders, never c, which holds nothing of them
+    assert 10 <= chosen.count(1) <= 30
+    assert policy.decisions == {"prefix": 40, "overloaded": 0, "short_prefix": 0, "no_prefix": 0}
+    replicas[0].num_running = 1  # a tie in prefix only: the less loaded holder
+    assert {policy.choose(h, replicas) for h in new_conversations} == {1}
+
+
+def test_a_prefix_shorter_than_the_match_rate_goes_to_the_least_loaded_so_cold_replicas_warm_up():
+    system_prompt = list(range(1, 17))  # 4 blocks every conversation starts with
+    warm, cold, busy = ReplicaState("warm"), ReplicaState("cold"), ReplicaState("busy")
+    warm.apply([stored(hashes(system_prompt))])
+    busy.num_running = 2
+    replicas = [warm, cold, busy]
+    policy = PrefixAware(load_threshold=4, min_match_rate=0.5, seed=1)
+    new_conversation = hashes(system_prompt + [200] * 16)  # 8 blocks, 4 of them cached on warm: 0.5
+    assert policy.choose(new_conversation, replicas) == 0 and policy.last_reason == "prefix"
+    longer = hashes(system_prompt + [200] * 20)  # 9 blocks: 4 cached is under half
+    chosen = {policy.choose(longer, replicas) for _ in range(30)}
+    assert chosen == {0, 1} and policy.last_reason == "short_prefix"  # idle warm and cold, never busy
+    warm.num_running = 1
+    assert policy.choose(longer, replicas) == 1  # the least loaded, whatever it caches
+    assert policy.choose(hashes([300] * 16), replicas) == 1 and policy.last_reason == "no_prefix"
+    assert PrefixAware(min_match_rate=0.0).choose(longer, replicas) == 0  # any prefix counts
+    assert policy.decisions == {"prefix": 1, "overloaded": 0, "short_prefix": 31, "no_prefix": 1}
+    with pytest.raises(ValueError, match="min_match_rate must be between 0 and 1, got 1.5"):
+        PrefixAware(min_match_rate=1.5)

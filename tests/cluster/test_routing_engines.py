@@ -55,6 +55,6 @@ def test_a_follow_up_turn_follows_its_prefix_until_that_replica_is_overloaded(re
         refresh(llm, view)
     assert view_b.num_waiting == 6 and view_a.load == 0
     assert policy.choose(hashes, [view_a, view_b]) == 0
-    assert policy.decisions == {"prefix": 1, "overloaded": 1, "no_prefix": 0}
+    assert policy.decisions == {"prefix": 1, "overloaded": 1, "short_prefix": 0, "no_prefix": 0}
     while b.engine.has_unfinished():
         b.engine.step()

@@ -18,7 +18,7 @@ from ray.serve.config import RequestRouterConfig
 from pagedllm.cluster.ingress import ClusterIngress, IngressSettings
 from pagedllm.cluster.replica import EngineReplica
 from pagedllm.cluster.request_router import KVAwareRequestRouter
-from pagedllm.cluster.routing import DEFAULT_LOAD_THRESHOLD, ROUTING_POLICIES
+from pagedllm.cluster.routing import DEFAULT_LOAD_THRESHOLD, DEFAULT_MIN_MATCH_RATE, ROUTING_POLICIES
 
 APP_NAME = "pagedllm"
 ENGINE_DEPLOYMENT = "PagedEngine"
@@ -38,6 +38,7 @@ class ClusterConfig:
     num_gpus: float = 0.0
     routing: str = "prefix-aware"
     load_threshold: int = DEFAULT_LOAD_THRESHOLD
+    min_match_rate: float = DEFAULT_MIN_MATCH_RATE
     max_ongoing_requests: int = 1024
     report_period_s: float = 1.0
     extra: dict = field(default_factory=dict)  # for tests: more deployment options of the engine
@@ -49,6 +50,8 @@ class ClusterConfig:
             raise ValueError(f"--routing must be one of {', '.join(ROUTING_POLICIES)}, got {self.routing!r}")
         if self.load_threshold < 0:
             raise ValueError(f"--routing-load-threshold must be 0 or more, got {self.load_threshold}")
+        if not 0.0 <= self.min_match_rate <= 1.0:
+            raise ValueError(f"--routing-min-match-rate must be between 0 and 1, got {self.min_match_rate}")
         if self.num_cpus < 0 or self.num_gpus < 0:
             raise ValueError("--replica-cpus and --replica-gpus must be 0 or more")
         if self.target_ongoing_requests <= 0:
@@ -85,6 +88,7 @@ def build_cluster_app(options: dict, cluster: ClusterConfig, settings: IngressSe
     router = RequestRouterConfig(
         request_router_class=f"{KVAwareRequestRouter.__module__}.{KVAwareRequestRouter.__name__}",
         request_router_kwargs={"routing": cluster.routing, "load_threshold": cluster.load_threshold,
+                               "min_match_rate": cluster.min_match_rate,
                                "hash_seed": hash_seed, "topic": options.get("kv_events_topic") or ""},
         request_routing_stats_period_s=ROUTING_STATS_PERIOD_S)
     engine = serve.deployment(EngineReplica).options(

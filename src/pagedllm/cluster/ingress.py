@@ -79,7 +79,8 @@ def router_metrics(view: dict, prefix: str) -> list[Metric]:
     routed = CounterMetricFamily(prefix + "router_requests", "requests the router sent to each replica",
                                  labels=["replica"])
     reasons = CounterMetricFamily(prefix + "router_decisions", "routing decisions by reason (prefix: longest "
-                                  "cached prefix; overloaded / no_prefix: power of two; full: Ray moved it on)",
+                                  "cached prefix; overloaded: power of two; short_prefix / no_prefix: least "
+                                  "loaded; full: Ray moved it on)",
                                   labels=["reason"])
     load = GaugeMetricFamily(prefix + "router_replica_load", "requests on each replica as the router counts them",
                              labels=["replica"])

@@ -26,7 +26,7 @@ from pydantic import ValidationError
 from pagedllm.cluster.app import APP_NAME, ClusterConfig, build_cluster_app
 from pagedllm.cluster.ingress import IngressSettings
 from pagedllm.cluster.replica import REPLICA_ERROR
-from pagedllm.cluster.routing import DEFAULT_LOAD_THRESHOLD, ROUTING_POLICIES
+from pagedllm.cluster.routing import DEFAULT_LOAD_THRESHOLD, DEFAULT_MIN_MATCH_RATE, ROUTING_POLICIES
 from pagedllm.config import EngineOptions, describe_error
 from pagedllm.errors import ConfigError
 from pagedllm.server import serve as single
@@ -107,7 +107,8 @@ def cluster_config(args) -> ClusterConfig:
         return ClusterConfig(num_replicas=args.replicas, min_replicas=args.min_replicas,
                              max_replicas=args.max_replicas, target_ongoing_requests=args.target_ongoing_requests,
                              num_cpus=args.replica_cpus, num_gpus=args.replica_gpus, routing=args.routing,
-                             load_threshold=args.routing_load_threshold)
+                             load_threshold=args.routing_load_threshold,
+                             min_match_rate=args.routing_min_match_rate)
     except ValueError as e:
         raise ConfigError(str(e)) from None
 
@@ -172,6 +173,9 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--routing-load-threshold", type=int, default=DEFAULT_LOAD_THRESHOLD,
                    help="prefix-aware: requests a prefix holder may have beyond the least loaded replica before "
                         "the request goes by power of two instead")
+    g.add_argument("--routing-min-match-rate", type=float, default=DEFAULT_MIN_MATCH_RATE,
+                   help="prefix-aware: the share of a prompt's full blocks a replica must cache for the request "
+                        "to follow them; a shorter prefix (a shared system prompt) goes to the least loaded")
     g.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs per replica (torch threads)")
     g.add_argument("--replica-gpus", type=float, default=0.0, help="GPUs per replica")
     g.add_argument("--min-replicas", type=int, default=None, help="autoscale: fewest replicas")

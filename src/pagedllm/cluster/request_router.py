@@ -39,6 +39,7 @@ from pagedllm.cluster import router_registry
 from pagedllm.cluster.event_feed import KVEventFeed
 from pagedllm.cluster.routing import (
     DEFAULT_LOAD_THRESHOLD,
+    DEFAULT_MIN_MATCH_RATE,
     PrefixAware,
     ReplicaState,
     hash_set_digest,
@@ -54,17 +55,18 @@ MAX_PENDING_CHOICES = 10_000
 class Decision:
     request_id: str
     replica: str
-    reason: str              # prefix | overloaded | no_prefix | policy (round-robin, power-of-two)
+    reason: str              # prefix | overloaded | short_prefix | no_prefix | policy (round-robin, power-of-two)
     prefix_blocks: int       # the request's leading blocks the chosen replica held
     loads: dict[str, int]    # every candidate's load when it was chosen
 
 
 class KVAwareRequestRouter(RequestRouter):
     def initialize_state(self, routing: str = "prefix-aware", load_threshold: int = DEFAULT_LOAD_THRESHOLD,
-                         hash_seed: int | None = None, topic: str = "", seed: int = 0) -> None:
+                         hash_seed: int | None = None, topic: str = "", seed: int = 0,
+                         min_match_rate: float = DEFAULT_MIN_MATCH_RATE) -> None:
         kwargs = {} if routing == "round-robin" else {"seed": seed}
         if routing == "prefix-aware":
-            kwargs["load_threshold"] = load_threshold
+            kwargs.update(load_threshold=load_threshold, min_match_rate=min_match_rate)
         self.routing = routing
         self.policy = make_policy(routing, **kwargs)
         self.hash_seed = hash_seed
@@ -196,7 +198,8 @@ class KVAwareRequestRouter(RequestRouter):
         return request_block_hashes(self.hasher, ids, self.block_size, salt)
 
     def view(self) -> dict:
-        """What ``/cluster`` shows: each replica's view and load, the routing counts."""
+        """What ``/cluster`` shows: the policy and its settings, each replica's view and load, the
+        routing counts and recent decisions."""
         lock = self.feed.lock if self.feed is not None else None
         if lock is not None:
             lock.acquire()
@@ -209,5 +212,7 @@ class KVAwareRequestRouter(RequestRouter):
         finally:
             if lock is not None:
                 lock.release()
-        return {"routing": self.routing, "replicas": replicas, "reasons": dict(self.reasons),
+        settings = ({"load_threshold": self.policy.load_threshold, "min_match_rate": self.policy.min_match_rate}
+                    if isinstance(self.policy, PrefixAware) else {})
+        return {"routing": self.routing, **settings, "replicas": replicas, "reasons": dict(self.reasons),
                 "decisions": [vars(d) for d in list(self.decisions)]}  # list(): one step, as Ray's loop appends

@@ -14,7 +14,12 @@ Policies (``ROUTING_POLICIES``), each ``choose(request_hashes, replicas) -> inde
 - ``prefix-aware``: the replica holding the longest cached prefix of the request (its leading block
   hashes), unless its load exceeds the least-loaded replica's by more than ``load_threshold``
   requests, or its KV pool is full while requests wait there: then power-of-two. Ties in prefix go
-  to the less loaded. A request no replica has any prefix of goes to power-of-two as well.
+  to the less loaded, ties in load to one of them drawn at random (seeded), never to the first
+  listed. A request whose best replica holds less than ``min_match_rate`` of its full blocks
+  (SGLang's ``cache_threshold``, Ray's ``match_rate_threshold``; none at all included) goes to the
+  least-loaded replica instead, ties drawn at random: a prefix that short (a shared system prompt
+  before a new conversation) saves less prefill than balancing gains, and following it would keep
+  every new conversation on the replicas that served the first ones while the others stay cold.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from pagedllm.kvcache.kv_events import AllBlocksCleared, BlockRemoved, BlockStor
 
 DEFAULT_CAPACITY = 1_000_000  # hashes remembered per replica (16 B each: ~50 MB with the dict's overhead)
 DEFAULT_LOAD_THRESHOLD = 4    # requests: how much busier than the least loaded a prefix holder may be
+DEFAULT_MIN_MATCH_RATE = 0.5  # of a request's full blocks its best replica must hold to be chosen for them
 
 
 @dataclass
@@ -125,28 +131,37 @@ class PowerOfTwo:
 class PrefixAware:
     name = "prefix-aware"
 
-    def __init__(self, load_threshold: int = DEFAULT_LOAD_THRESHOLD, seed: int = 0) -> None:
+    def __init__(self, load_threshold: int = DEFAULT_LOAD_THRESHOLD, seed: int = 0,
+                 min_match_rate: float = DEFAULT_MIN_MATCH_RATE) -> None:
         if load_threshold < 0:
             raise ValueError(f"load_threshold must be 0 or more, got {load_threshold}")
+        if not 0.0 <= min_match_rate <= 1.0:
+            raise ValueError(f"min_match_rate must be between 0 and 1, got {min_match_rate}")
         self.load_threshold = load_threshold
+        self.min_match_rate = min_match_rate
         self.fallback = PowerOfTwo(seed)
-        self.decisions = {"prefix": 0, "overloaded": 0, "no_prefix": 0}  # why each choice was made
+        self.rng = self.fallback.rng  # one seeded stream for every draw
+        self.decisions = {"prefix": 0, "overloaded": 0, "short_prefix": 0, "no_prefix": 0}  # why each choice
         self.last_reason = ""  # why the latest choice was made (one of ``decisions``)
 
     def choose(self, hashes: Sequence[bytes], replicas: Sequence[ReplicaState]) -> int:
         matched = [r.prefix_blocks(hashes) for r in replicas]
         best = max(matched)
-        if best == 0:
-            self._decided("no_prefix")
-            return self.fallback.choose(hashes, replicas)
+        if best == 0 or best < self.min_match_rate * len(hashes):
+            self._decided("no_prefix" if best == 0 else "short_prefix")
+            return self._least_loaded(range(len(replicas)), replicas)
         least = min(r.load for r in replicas)
-        holders = [i for i, m in enumerate(matched) if m == best]
-        i = min(holders, key=lambda k: replicas[k].load)
+        i = self._least_loaded([k for k, m in enumerate(matched) if m == best], replicas)
         if replicas[i].load - least > self.load_threshold or replicas[i].saturated:
             self._decided("overloaded")
             return self.fallback.choose(hashes, replicas)
         self._decided("prefix")
         return i
+
+    def _least_loaded(self, candidates, replicas: Sequence[ReplicaState]) -> int:
+        lightest = min(replicas[k].load for k in candidates)
+        tied = [k for k in candidates if replicas[k].load == lightest]
+        return tied[0] if len(tied) == 1 else self.rng.choice(tied)
 
     def _decided(self, reason: str) -> None:
         self.decisions[reason] += 1
