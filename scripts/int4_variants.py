@@ -44,6 +44,11 @@ Session 29 (docs/kv_quantization.md, "Session 29"):
     .venv/bin/python scripts/int4_variants.py --calib=random prerope_center_grid
     .venv/bin/python scripts/int4_variants.py --full --calib=random prerope_center_grid prerope_center
     .venv/bin/python scripts/int4_variants.py --levels  # int4's levels, as kvstore/quant.py holds them
+
+Session 41: ``prerope_anchor8`` / ``prerope_anchor16``: ``prerope_center_grid``, and each block's
+first centred key (int8 / float) subtracted from the block's centred keys before their 4-bit codes.
+
+    .venv/bin/python scripts/int4_variants.py --calib=random prerope_center_grid prerope_anchor8
 """
 import argparse
 import sys
@@ -261,6 +266,27 @@ def prerope_centered(means, group, grid=None):
     return k_post
 
 
+def prerope_anchored(means, grid, anchor_levels=255):
+    """``prerope_centered`` on the uneven grid, and each block's first centred key (int8, a scale
+    of its own: 66 bytes a block and KV head, ~4 bytes a token at 16-token blocks) subtracted from
+    the block's centred keys before they are quantized. A kernel would add ``q . anchor`` once per
+    block and ``q . RoPE_pos(mu)`` per key. Blocks follow positions (``pos // BLOCK``), and the
+    harness runs one sequence at a time, its chunks in order, so a block's first key comes first."""
+    anchors = {}
+
+    def k_post(layer, positions, k, rope):
+        mu = means[layer].to(k.dtype)
+        r = rope(k - mu).float()
+        pos = positions.tolist()
+        for t, p in enumerate(pos):
+            if p % BLOCK == 0:
+                anchors[layer, p // BLOCK] = quantize(r[t], 64, anchor_levels, rotate=False)
+        a = torch.stack([anchors[layer, p // BLOCK] for p in pos])
+        q = quantize_grid(r - a, grid, 64) + a
+        return (q + rope(mu.expand_as(k))).to(k.dtype)
+    return k_post
+
+
 def v_grid_write(grid):
     def write_kv(kv, key, value, slot_mapping, has_padding_slots=False):
         orig(kv, key, quantize_grid(value, grid, 64), slot_mapping, has_padding_slots)
@@ -356,6 +382,16 @@ for name in names:
         layers.RotaryEmbedding.forward = rope_hook(
             prerope_centered(means(), int(name.split("_g")[-1]) if "_g3" in name or "_g1" in name else 64, grid))
         reference.write_kv = v_only_write() if grid is None else v_grid_write(grid)
+    elif name.startswith("prerope_anchor"):  # prerope_anchor8 / prerope_anchor16 (a float anchor)
+        calib = argparse.Namespace(**{**vars(args), "contexts": "512", "text_tokens": 2048})
+        reference.write_kv = orig
+        k_post, means = collect_prerope_means()
+        layers.RotaryEmbedding.forward = rope_hook(k_post)
+        calibrate(calib)
+        grid = lloyd_grid(15)
+        levels = 255 if name.endswith("8") else 2 ** 16 - 1
+        layers.RotaryEmbedding.forward = rope_hook(prerope_anchored(means(), grid, levels))
+        reference.write_kv = v_grid_write(grid)
     elif name.startswith("weighted_"):  # weighted_A: prerope_center_grid, pairs weighted ^A
         calib = argparse.Namespace(**{**vars(args), "contexts": "512", "text_tokens": 2048})
         reference.write_kv = orig
