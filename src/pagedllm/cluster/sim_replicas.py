@@ -49,11 +49,15 @@ class _Replica:
 
 def simulate_replicas(trace: list[TraceRequest], timing: StepTimeModel, cache: CacheConfig,
                       scheduler: SchedulerConfig, num_blocks: int, replicas: int, routing: str,
-                      seed: int = 0, progress=None) -> dict:
-    """Replay ``trace`` through ``replicas`` replicas routed by ``routing``; the summary as a dict."""
+                      seed: int = 0, progress=None, **policy_options) -> dict:
+    """Replay ``trace`` through ``replicas`` replicas routed by ``routing`` (``policy_options``: the
+    prefix-aware policy's ``load_threshold`` and ``min_match_rate``); the summary as a dict."""
     if replicas < 1:
         raise ValueError(f"--replicas must be at least 1, got {replicas}")
-    policy = make_policy(routing) if routing == "round-robin" else make_policy(routing, seed=seed)
+    if routing == "round-robin":
+        policy = make_policy(routing)
+    else:
+        policy = make_policy(routing, seed=seed, **(policy_options if routing == "prefix-aware" else {}))
     reps = [_Replica(i, cache, scheduler, num_blocks) for i in range(replicas)]
     vocab = timing.model.vocab_size
     records = [RequestRecord(f"r{i}", r.arrival, r.prompt_len or 0, r.output_len) for i, r in enumerate(trace)]
@@ -126,7 +130,7 @@ def simulate_replicas(trace: list[TraceRequest], timing: StepTimeModel, cache: C
 
 def add_cli_args(p) -> None:
     """``pagedllm simulate``'s flags (``sim/simulate_cmd.py``), and ``--replicas`` / ``--routing``."""
-    from pagedllm.cluster.routing import ROUTING_POLICIES
+    from pagedllm.cluster.routing import DEFAULT_LOAD_THRESHOLD, DEFAULT_MIN_MATCH_RATE, ROUTING_POLICIES
     from pagedllm.sim import simulate_cmd
 
     simulate_cmd.add_cli_args(p)
@@ -134,6 +138,10 @@ def add_cli_args(p) -> None:
     g.add_argument("--replicas", type=int, default=1)
     g.add_argument("--routing", default="prefix-aware,power-of-two,round-robin",
                    help=f"policies to compare, comma-separated, among {', '.join(ROUTING_POLICIES)}")
+    g.add_argument("--routing-load-threshold", type=int, default=DEFAULT_LOAD_THRESHOLD,
+                   help="prefix-aware: as `pagedllm serve --replicas`'s flag")
+    g.add_argument("--routing-min-match-rate", type=float, default=DEFAULT_MIN_MATCH_RATE,
+                   help="prefix-aware: as `pagedllm serve --replicas`'s flag")
 
 
 def main(args):
@@ -157,8 +165,9 @@ def main(args):
               "num_blocks_per_replica": num_blocks, "block_size": args.block_size, "results": {}}
     for routing in [r.strip() for r in args.routing.split(",") if r.strip()]:
         with tqdm(total=len(trace), desc=f"simulate {routing}", disable=args.no_progress, leave=False) as bar:
-            report["results"][routing] = simulate_replicas(trace, timing, cache, sched, num_blocks, args.replicas,
-                                                           routing, args.seed, bar.update)
+            report["results"][routing] = simulate_replicas(
+                trace, timing, cache, sched, num_blocks, args.replicas, routing, args.seed, bar.update,
+                load_threshold=args.routing_load_threshold, min_match_rate=args.routing_min_match_rate)
     print(f"{timing.model.name} on {args.replicas} x {timing.device.name}: {len(trace)} requests, "
           f"{num_blocks} blocks of {args.block_size} per replica")
     print(f"{'routing':<14}{'out tok/s':>11}{'TTFT p50 s':>12}{'TTFT p99 s':>12}{'hit rate':>10}  requests per replica")
