@@ -30,6 +30,7 @@ from pathlib import Path
 
 import httpx
 
+from pagedllm.config import CacheConfig
 from pagedllm.loadgen.serve_bench import ServeBenchConfig, run
 from pagedllm.machine import machine_info
 from pagedllm.workloads.traces import TraceRequest, write_trace
@@ -51,19 +52,30 @@ def chat_trace(conversations: int, turns: int, rate: float, system_len: int, use
     return sorted(out, key=lambda r: r.arrival)
 
 
-def hit_rate_ceiling(trace: list[TraceRequest], block_size: int = 16) -> float:
+def hit_rate_ceiling(trace: list[TraceRequest], block_size: int) -> float:
     """The highest prefix-cache hit rate any routing could reach on ``trace``: every turn on its
-    conversation's replica with nothing evicted (its previous prompt and answer cached, but for the
-    answer's last token, whose KV is never computed), every other request finding the shared system
-    prompt; only full blocks are found, and a prompt's last token is always computed."""
+    conversation's replica with nothing evicted, so its previous turn's prompt is cached (not the
+    answer: the replay does not wait for it, and a turn's words after the previous prompt come from
+    the conversation's word stream, ``workloads/text.py``), and every other request finds the shared
+    system prompt; only full blocks are found, and a prompt's last token is always computed."""
     previous: dict[str, int] = {}
     found = looked_up = 0
     for i, r in enumerate(trace):
         held = previous.get(r.conversation, r.prefix_len if i else 0)
         found += min(held, r.prompt_len - 1) // block_size * block_size
         looked_up += r.prompt_len
-        previous[r.conversation] = r.prompt_len + r.output_len - 1
+        previous[r.conversation] = r.prompt_len
     return found / looked_up
+
+
+def engine_block_size(engine_args: list[str]) -> int:
+    """The replicas' block size: ``--block-size N`` among the serve flags, else the engine's default."""
+    for i, a in enumerate(engine_args):
+        if a == "--block-size" and i + 1 < len(engine_args):
+            return int(engine_args[i + 1])
+        if a.startswith("--block-size="):
+            return int(a.split("=", 1)[1])
+    return CacheConfig().block_size
 
 
 def metric_sum(text: str, name: str) -> dict[str, float]:
@@ -167,7 +179,7 @@ def main() -> None:
         write_trace(trace_path, trace)
         results = [one_policy(args, routing, trace_path, args.port) for routing in args.routing.split(",")]
     by = {r["routing"]: r for r in results}
-    summary = {"hit_rate_ceiling": hit_rate_ceiling(trace)}
+    summary = {"hit_rate_ceiling": hit_rate_ceiling(trace, engine_block_size(args.engine_args))}
     if "prefix-aware" in by and "power-of-two" in by:
         pa, p2 = by["prefix-aware"], by["power-of-two"]
         summary.update(hit_rate_ratio=pa["hit_rate"] / p2["hit_rate"] if p2["hit_rate"] else None,
@@ -176,7 +188,7 @@ def main() -> None:
         print(f"{r['routing']:>13}: hit rate {100 * r['hit_rate']:.1f}%, TTFT p50 {r['ttft_ms']['p50']:.0f} ms, "
               f"p99 {r['ttft_ms']['p99']:.0f} ms, {r['output_throughput']:.1f} output tok/s, "
               f"requests per replica {[int(x) for x in r['requests_per_replica']]}, failed {r['failed']}")
-    print(f"the trace's hit-rate ceiling (every turn where its conversation is cached, nothing evicted): "
+    print(f"the trace's hit-rate ceiling (every turn where its previous turn is cached, nothing evicted): "
           f"{100 * summary['hit_rate_ceiling']:.1f}%")
     if "hit_rate_ratio" in summary:
         print(f"prefix-aware vs power-of-two: hit rate x{summary['hit_rate_ratio']:.2f}, "

@@ -46,7 +46,7 @@ Session 29 (docs/kv_quantization.md, "Session 29"):
     .venv/bin/python scripts/int4_variants.py --levels  # int4's levels, as kvstore/quant.py holds them
 
 Session 41: ``prerope_anchor8`` / ``prerope_anchor16``: ``prerope_center_grid``, and each block's
-first centred key (int8 / float) subtracted from the block's centred keys before their 4-bit codes.
+first centred key (int8 / int16) subtracted from the block's centred keys before their 4-bit codes.
 
     .venv/bin/python scripts/int4_variants.py --calib=random prerope_center_grid prerope_anchor8
 """
@@ -382,7 +382,7 @@ for name in names:
         layers.RotaryEmbedding.forward = rope_hook(
             prerope_centered(means(), int(name.split("_g")[-1]) if "_g3" in name or "_g1" in name else 64, grid))
         reference.write_kv = v_only_write() if grid is None else v_grid_write(grid)
-    elif name.startswith("prerope_anchor"):  # prerope_anchor8 / prerope_anchor16 (a float anchor)
+    elif name.startswith("prerope_anchor"):  # prerope_anchor8 / prerope_anchor16 (an int16 anchor)
         calib = argparse.Namespace(**{**vars(args), "contexts": "512", "text_tokens": 2048})
         reference.write_kv = orig
         k_post, means = collect_prerope_means()

@@ -52,7 +52,7 @@ def cluster(tmp_path_factory):
     folder = make_tiny_checkpoint(tmp_path_factory.mktemp("cluster") / "tiny", "llama", seed=2, with_tokenizer=True)
     temp_dir = tempfile.mkdtemp(prefix="pgr-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
     proc = ServerProcess("--replicas", "2", "--replica-cpus", "0.5", "--routing-load-threshold", "1",
-                         "--routing-min-match-rate", "0.4",
+                         "--routing-min-match-rate", "0.4",  # not the default: /cluster must show it
                          "--model", str(folder), "--dtype", "float32", "--num-kv-blocks", "128",
                          "--block-size", str(BLOCK), "--max-num-seqs", "4", "--served-model-name", "tiny",
                          env={"RAY_TMPDIR": temp_dir}, timeout=240)

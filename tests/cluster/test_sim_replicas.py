@@ -59,3 +59,20 @@ def test_new_conversations_warm_every_replica_unless_the_match_rate_is_zero(tmp_
     assert min(served["0.5"]["requests_per_replica"]) >= 3  # both serve: the replicas are idle when a
     # conversation opens, so its first turn goes to one drawn at random (seeded)
     assert served["0.5"]["decisions"] == {"prefix": 16, "overloaded": 0, "short_prefix": 7, "no_prefix": 1}
+
+
+def test_the_load_threshold_reaches_the_simulated_router_and_bad_settings_are_refused(tmp_path, capsys):
+    common = ["simulate", "--workload", "chat", "--num-requests", "120", "--rate", "2", "--model", "llama-2-7b",
+              "--device", "a100-80gb", "--replicas", "2", "--kv-memory", "4GiB", "--routing", "prefix-aware",
+              "--no-progress"]
+    overloaded = {}
+    for threshold in ("4", "0"):
+        out = tmp_path / f"t{threshold}.json"
+        assert main([*common, "--routing-load-threshold", threshold, "--json", str(out)]) == 0
+        overloaded[threshold] = json.loads(out.read_text())["results"]["prefix-aware"]["decisions"]["overloaded"]
+    assert overloaded["0"] > overloaded["4"]  # a holder any busier than the other replica loses the request
+    capsys.readouterr()
+    assert main([*common, "--routing-min-match-rate", "2"]) == 2
+    assert "--routing-min-match-rate must be between 0 and 1, got 2.0" in capsys.readouterr().err
+    assert main([*common, "--routing-load-threshold", "-1"]) == 2
+    assert "--routing-load-threshold must be 0 or more, got -1" in capsys.readouterr().err

@@ -2,8 +2,9 @@
 policies of ``cluster/routing.py`` (``--routing prefix-aware | power-of-two | round-robin``).
 
 Ray Serve builds it inside every process that holds a handle to the engine deployment (the
-ingress), with ``request_router_kwargs`` (``initialize_state``): the policy, its load threshold,
-the replicas' block size, hash algorithm and the cluster's secret ``prefix_caching_hash_seed``.
+ingress), with ``request_router_kwargs`` (``initialize_state``): the policy, its load threshold and
+minimum match rate, and the cluster's secret ``prefix_caching_hash_seed``; the replicas' block size
+and hash algorithm come from their routing stats.
 
 - **The request's hashes**: ``generate(request_id, prompt, params)``'s prompt carries its token ids
   and ``cache_salt`` (the ingress tokenized it), hashed as the replicas' prefix caches hash them.
@@ -64,11 +65,8 @@ class KVAwareRequestRouter(RequestRouter):
     def initialize_state(self, routing: str = "prefix-aware", load_threshold: int = DEFAULT_LOAD_THRESHOLD,
                          hash_seed: int | None = None, topic: str = "", seed: int = 0,
                          min_match_rate: float = DEFAULT_MIN_MATCH_RATE) -> None:
-        kwargs = {} if routing == "round-robin" else {"seed": seed}
-        if routing == "prefix-aware":
-            kwargs.update(load_threshold=load_threshold, min_match_rate=min_match_rate)
         self.routing = routing
-        self.policy = make_policy(routing, **kwargs)
+        self.policy = make_policy(routing, seed, load_threshold, min_match_rate)
         self.hash_seed = hash_seed
         self.hasher: BlockHasher | None = None  # the replicas' algorithm, from their routing stats
         self.block_size = 0

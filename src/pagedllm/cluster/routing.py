@@ -147,7 +147,7 @@ class PrefixAware:
     def choose(self, hashes: Sequence[bytes], replicas: Sequence[ReplicaState]) -> int:
         matched = [r.prefix_blocks(hashes) for r in replicas]
         best = max(matched)
-        if best == 0 or best < self.min_match_rate * len(hashes):
+        if best == 0 or best / len(hashes) < self.min_match_rate:
             self._decided("no_prefix" if best == 0 else "short_prefix")
             return self._least_loaded(range(len(replicas)), replicas)
         least = min(r.load for r in replicas)
@@ -158,7 +158,9 @@ class PrefixAware:
         self._decided("prefix")
         return i
 
-    def _least_loaded(self, candidates, replicas: Sequence[ReplicaState]) -> int:
+    def _least_loaded(self, candidates: Sequence[int], replicas: Sequence[ReplicaState]) -> int:
+        """The index, among ``candidates`` (not empty), of a replica with the least load; ties drawn
+        from ``self.rng`` (seeded), so a run repeats and no replica is preferred for its place."""
         lightest = min(replicas[k].load for k in candidates)
         tied = [k for k in candidates if replicas[k].load == lightest]
         return tied[0] if len(tied) == 1 else self.rng.choice(tied)
@@ -189,7 +191,14 @@ def hash_set_digest(hashes) -> str:
 ROUTING_POLICIES = {"prefix-aware": PrefixAware, "power-of-two": PowerOfTwo, "round-robin": RoundRobin}
 
 
-def make_policy(name: str, **kwargs):
-    if name not in ROUTING_POLICIES:
-        raise ValueError(f"routing must be one of {', '.join(ROUTING_POLICIES)}, got {name!r}")
-    return ROUTING_POLICIES[name](**kwargs) if name != "round-robin" else RoundRobin()
+def make_policy(name: str, seed: int = 0, load_threshold: int = DEFAULT_LOAD_THRESHOLD,
+                min_match_rate: float = DEFAULT_MIN_MATCH_RATE):
+    """The policy ``name`` with the settings it takes (the others are ignored): a seed for
+    power-of-two's draws, and prefix-aware's thresholds besides."""
+    if name == "prefix-aware":
+        return PrefixAware(load_threshold, seed, min_match_rate)
+    if name == "power-of-two":
+        return PowerOfTwo(seed)
+    if name == "round-robin":
+        return RoundRobin()
+    raise ValueError(f"routing must be one of {', '.join(ROUTING_POLICIES)}, got {name!r}")

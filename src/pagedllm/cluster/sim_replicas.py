@@ -10,8 +10,10 @@ with nothing to do waits for its next request. Every replica runs ``--kv-memory`
 
 Reports, per policy: output tokens/s over the makespan, TTFT p50/p99, the prefix-cache hit rate
 (tokens served from cache over prompt tokens), requests and peak KV blocks per replica, and the
-prefix-aware policy's reasons. No torch. ``pagedllm simulate`` takes ``--replicas`` and
-``--routing`` through ``add_cli_args``/``main`` here (the simulator itself never imports the router).
+prefix-aware policy's reasons. No torch. ``pagedllm simulate`` takes ``--replicas``, ``--routing``
+and the prefix-aware policy's ``--routing-load-threshold`` / ``--routing-min-match-rate`` (checked
+before anything runs) through ``add_cli_args``/``main`` here (the simulator itself never imports
+the router).
 """
 
 from __future__ import annotations
@@ -54,10 +56,7 @@ def simulate_replicas(trace: list[TraceRequest], timing: StepTimeModel, cache: C
     prefix-aware policy's ``load_threshold`` and ``min_match_rate``); the summary as a dict."""
     if replicas < 1:
         raise ValueError(f"--replicas must be at least 1, got {replicas}")
-    if routing == "round-robin":
-        policy = make_policy(routing)
-    else:
-        policy = make_policy(routing, seed=seed, **(policy_options if routing == "prefix-aware" else {}))
+    policy = make_policy(routing, seed, **policy_options)
     reps = [_Replica(i, cache, scheduler, num_blocks) for i in range(replicas)]
     vocab = timing.model.vocab_size
     records = [RequestRecord(f"r{i}", r.arrival, r.prompt_len or 0, r.output_len) for i, r in enumerate(trace)]
@@ -158,6 +157,10 @@ def main(args):
     if args.replicas == 1:
         return simulate_cmd.main(args)
     check_block_size(args.block_size)
+    if args.routing_load_threshold < 0:
+        raise ValueError(f"--routing-load-threshold must be 0 or more, got {args.routing_load_threshold}")
+    if not 0.0 <= args.routing_min_match_rate <= 1.0:
+        raise ValueError(f"--routing-min-match-rate must be between 0 and 1, got {args.routing_min_match_rate}")
     timing, trace, pool, sched = setup(args)
     num_blocks = int(pool // (args.block_size * timing.model.kv_bytes_per_token(timing.kv_dtype_bytes)))
     cache = CacheConfig(block_size=args.block_size, num_kv_blocks=num_blocks, enable_prefix_caching=args.prefix_caching)
