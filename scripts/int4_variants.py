@@ -49,6 +49,13 @@ Session 41: ``prerope_anchor8`` / ``prerope_anchor16``: ``prerope_center_grid``,
 first centred key (int8 / int16) subtracted from the block's centred keys before their 4-bit codes.
 
     .venv/bin/python scripts/int4_variants.py --calib=random prerope_center_grid prerope_anchor8
+
+``split_kAvB[_center]``: K on a Lloyd grid of 2^A - 1 levels and V on one of 2^B - 1 (one bf16 scale
+per row each; ``split_k5v3``: 68 bytes per token and KV head at head size 64, as int4's);
+``_center``: K centred before RoPE (``--calib``).
+
+    .venv/bin/python scripts/int4_variants.py grid15 split_k5v3 split_k4v4 split_k6v2
+    .venv/bin/python scripts/int4_variants.py --full --calib=random split_k5v3 split_k5v3_center
 """
 import argparse
 import sys
@@ -382,6 +389,22 @@ for name in names:
         layers.RotaryEmbedding.forward = rope_hook(
             prerope_centered(means(), int(name.split("_g")[-1]) if "_g3" in name or "_g1" in name else 64, grid))
         reference.write_kv = v_only_write() if grid is None else v_grid_write(grid)
+    elif name.startswith("split_k"):  # split_k5v3[_center]: K and V on Lloyd grids of 2^b - 1 levels
+        kb, vb = int(name[7]), int(name[9])
+        kgrid, vgrid = lloyd_grid(2 ** kb - 1), lloyd_grid(2 ** vb - 1)
+        if name.endswith("_center"):
+            calib = argparse.Namespace(**{**vars(args), "contexts": "512", "text_tokens": 2048})
+            reference.write_kv = orig
+            k_post, means = collect_prerope_means()
+            layers.RotaryEmbedding.forward = rope_hook(k_post)
+            calibrate(calib)
+            layers.RotaryEmbedding.forward = rope_hook(prerope_centered(means(), 64, kgrid))
+            reference.write_kv = v_grid_write(vgrid)
+        else:
+            def write_kv(kv, key, value, slot_mapping, has_padding_slots=False, kgrid=kgrid, vgrid=vgrid):
+                orig(kv, quantize_grid(key, kgrid, 64), quantize_grid(value, vgrid, 64), slot_mapping,
+                     has_padding_slots)
+            reference.write_kv = write_kv
     elif name.startswith("prerope_anchor"):  # prerope_anchor8 / prerope_anchor16 (an int16 anchor)
         calib = argparse.Namespace(**{**vars(args), "contexts": "512", "text_tokens": 2048})
         reference.write_kv = orig
