@@ -363,6 +363,18 @@ def calibrate(run_args):
         accuracy.run(run_args)
     finally:
         accuracy.reference_text_ids = orig_text
+
+
+def measure_prerope_means():
+    """Each layer's mean key per KV head before RoPE, on the calibration text (``--calib``)."""
+    calib = argparse.Namespace(**{**vars(args), "contexts": "512", "text_tokens": 2048})
+    reference.write_kv = orig
+    k_post, means = collect_prerope_means()
+    layers.RotaryEmbedding.forward = rope_hook(k_post)
+    calibrate(calib)
+    return means()
+
+
 args = argparse.Namespace(model=None, kv_cache_dtypes="float32", weights="float32",
                           contexts="512,4096" if FULL else "512", text_tokens=20480 if FULL else 2048,
                           prompts=0, new_tokens=0, chunk=64, block_size=BLOCK, quiet=True, configs=None)
@@ -380,25 +392,16 @@ for name in names:
         accuracy.run(calib)
         reference.write_kv = centered(means(), int(name.split("_g")[1]) if "_g" in name else 64)
     elif name.startswith("prerope_center"):
-        calib = argparse.Namespace(**{**vars(args), "contexts": "512", "text_tokens": 2048})
-        reference.write_kv = orig
-        k_post, means = collect_prerope_means()
-        layers.RotaryEmbedding.forward = rope_hook(k_post)
-        calibrate(calib)
+        means = measure_prerope_means()
         grid = lloyd_grid(15) if "grid" in name else None  # prerope_center[_grid][_g32]
         layers.RotaryEmbedding.forward = rope_hook(
-            prerope_centered(means(), int(name.split("_g")[-1]) if "_g3" in name or "_g1" in name else 64, grid))
+            prerope_centered(means, int(name.split("_g")[-1]) if "_g3" in name or "_g1" in name else 64, grid))
         reference.write_kv = v_only_write() if grid is None else v_grid_write(grid)
     elif name.startswith("split_k"):  # split_k5v3[_center]: K and V on Lloyd grids of 2^b - 1 levels
         kb, vb = int(name[7]), int(name[9])
         kgrid, vgrid = lloyd_grid(2 ** kb - 1), lloyd_grid(2 ** vb - 1)
         if name.endswith("_center"):
-            calib = argparse.Namespace(**{**vars(args), "contexts": "512", "text_tokens": 2048})
-            reference.write_kv = orig
-            k_post, means = collect_prerope_means()
-            layers.RotaryEmbedding.forward = rope_hook(k_post)
-            calibrate(calib)
-            layers.RotaryEmbedding.forward = rope_hook(prerope_centered(means(), 64, kgrid))
+            layers.RotaryEmbedding.forward = rope_hook(prerope_centered(measure_prerope_means(), 64, kgrid))
             reference.write_kv = v_grid_write(vgrid)
         else:
             def write_kv(kv, key, value, slot_mapping, has_padding_slots=False, kgrid=kgrid, vgrid=vgrid):
@@ -406,14 +409,10 @@ for name in names:
                      has_padding_slots)
             reference.write_kv = write_kv
     elif name.startswith("prerope_anchor"):  # prerope_anchor8 / prerope_anchor16 (an int16 anchor)
-        calib = argparse.Namespace(**{**vars(args), "contexts": "512", "text_tokens": 2048})
-        reference.write_kv = orig
-        k_post, means = collect_prerope_means()
-        layers.RotaryEmbedding.forward = rope_hook(k_post)
-        calibrate(calib)
+        means = measure_prerope_means()
         grid = lloyd_grid(15)
         levels = 255 if name.endswith("8") else 2 ** 16 - 1
-        layers.RotaryEmbedding.forward = rope_hook(prerope_anchored(means(), grid, levels))
+        layers.RotaryEmbedding.forward = rope_hook(prerope_anchored(means, grid, levels))
         reference.write_kv = v_grid_write(grid)
     elif name.startswith("weighted_"):  # weighted_A: prerope_center_grid, pairs weighted ^A
         calib = argparse.Namespace(**{**vars(args), "contexts": "512", "text_tokens": 2048})
