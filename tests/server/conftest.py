@@ -29,6 +29,26 @@ def record_sent_fields():
         yield
 
 
+# ``python -c`` preamble of ``dying_with_parent``: argv[1] the parent's pid, argv[2] the module to run
+DIE_WITH_PARENT = """\
+import ctypes, os, runpy, signal, sys
+parent, module = int(sys.argv[1]), sys.argv[2]
+del sys.argv[1:3]
+ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+if os.getppid() != parent:  # the parent went before the line above
+    sys.exit(1)
+runpy.run_module(module, run_name="__main__", alter_sys=True)
+"""
+
+
+def dying_with_parent(module: str, *args: str) -> list[str]:
+    """The command line of ``python -m module args`` that gets SIGTERM when the thread that starts it
+    ends (Linux's parent-death signal): a test process killed or interrupted would otherwise leave
+    its servers, and a server's Ray cluster or tensor-parallel workers, running. Start it from the
+    thread that outlives it (fixtures and tests run on the main one)."""
+    return [sys.executable, "-c", DIE_WITH_PARENT, str(os.getpid()), module, *args]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -42,7 +62,7 @@ class ServerProcess:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.output = tempfile.TemporaryFile("w+")  # noqa: SIM115 - a pipe could fill up and block the server
-        self.proc = subprocess.Popen([sys.executable, "-m", "pagedllm", "serve", "--port", str(self.port), *args],
+        self.proc = subprocess.Popen(dying_with_parent("pagedllm", "serve", "--port", str(self.port), *args),
                                      stdout=self.output, stderr=subprocess.STDOUT, text=True,
                                      env={**os.environ, **(env or {})})
         deadline = time.monotonic() + timeout
